@@ -1,0 +1,1 @@
+"""Shared-memory files: names, regions, the owner record, /proc evidence, scan and reap."""

@@ -1,0 +1,64 @@
+"""Reading process facts from a ``/proc`` tree.
+
+The proc root is always a parameter, so tests can point it at a tree they control;
+the defaults read the real ``/proc``. Parsers here never guess: a field that cannot
+be read raises ``OSError`` for the caller to turn into "unknown".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC_ROOT = Path("/proc")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    """The fields of ``/proc/PID/stat`` that liveness needs."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    start_ticks: int
+
+    @property
+    def is_zombie(self) -> bool:
+        # A zombie (Z) or dead (X) task has already dropped its mappings and fds.
+        return self.state in ("Z", "X", "x")
+
+
+def parse_stat(pid: int, text: str) -> ProcStat:
+    """Parse the text of ``/proc/PID/stat``; ``comm`` may contain spaces and parentheses."""
+    open_paren = text.index("(")
+    close_paren = text.rindex(")")
+    comm = text[open_paren + 1 : close_paren]
+    rest = text[close_paren + 2 :].split()
+    # rest[0] is field 3 (state); field 22 (starttime) is rest[19].
+    return ProcStat(pid=pid, comm=comm, state=rest[0], ppid=int(rest[1]), start_ticks=int(rest[19]))
+
+
+def read_stat(pid: int, proc_root: Path = PROC_ROOT) -> ProcStat:
+    with open(proc_root / str(pid) / "stat", encoding="utf-8", errors="surrogateescape") as f:
+        return parse_stat(pid, f.read())
+
+
+def read_boot_id(proc_root: Path = PROC_ROOT) -> str | None:
+    try:
+        return (proc_root / "sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def pid_namespace(pid: int | str = "self", proc_root: Path = PROC_ROOT) -> str | None:
+    """``pid:[4026531836]`` for the process's PID namespace, or ``None`` if unreadable."""
+    try:
+        return os.readlink(proc_root / str(pid) / "ns" / "pid")
+    except OSError:
+        return None
+
+
+def list_pids(proc_root: Path = PROC_ROOT) -> list[int]:
+    return [int(name) for name in os.listdir(proc_root) if name.isdigit()]

@@ -1,0 +1,3 @@
+from shmctl.app import run
+
+run()

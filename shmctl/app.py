@@ -1,0 +1,85 @@
+"""The root Typer app and the one place where errors become exit codes.
+
+Commands are thin: options in, one kvoffload call, render, exit status. They raise
+library errors freely; ``main`` maps them here, so no command has an except ladder.
+Importing this module must stay cheap (shell completion runs it on every Tab): no
+torch, no numpy, and command modules import their heavy parts inside the command body.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from kvoffload.errors import ConfigError, KvOffloadError
+from shmctl.commands import register_all
+from shmctl.exit import ExitStatus
+from shmctl.render import error_line
+
+app = typer.Typer(
+    name="shmctl",
+    help="Find, explain and safely reap vLLM KV-offload regions in /dev/shm.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Find, explain and safely reap vLLM KV-offload regions in /dev/shm."""
+
+
+register_all(app)
+
+
+def exit_status_for(error: BaseException) -> ExitStatus:
+    if isinstance(error, KeyboardInterrupt):
+        return ExitStatus.INTERRUPTED
+    if isinstance(error, ConfigError):
+        return ExitStatus.USAGE
+    return ExitStatus.RUNTIME
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: run the app, map errors to exit codes, never a traceback."""
+    try:
+        app(args=argv, prog_name="shmctl", standalone_mode=False)
+    except SystemExit as e:  # typer.Exit, --help, completion
+        code = e.code
+        return code if isinstance(code, int) else (0 if code is None else ExitStatus.USAGE)
+    except KeyboardInterrupt:
+        error_line("interrupted")
+        return ExitStatus.INTERRUPTED
+    except KvOffloadError as e:
+        error_line(str(e))
+        return exit_status_for(e)
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        error_line(f"{where}{e.strerror or e}")
+        return ExitStatus.RUNTIME
+    except Exception as e:  # click usage errors and anything unexpected
+        return _click_or_crash(e)
+    return ExitStatus.OK
+
+
+def _click_or_crash(error: Exception) -> int:
+    from typer._click import exceptions as click_exc  # type: ignore[import-not-found,unused-ignore]
+
+    if isinstance(error, click_exc.ClickException):
+        error_line(error.format_message())
+        return ExitStatus.USAGE if isinstance(error, click_exc.UsageError) else error.exit_code
+    if isinstance(error, click_exc.Abort):
+        error_line("aborted")
+        return ExitStatus.INTERRUPTED
+    raise error
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,21 @@
+"""``shmctl faults``: list every fault point in stage order."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def faults(
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List every fault point that `init --fail-at` and KVOFFLOAD_FAILPOINTS accept, in stage order."""
+    from kvoffload import faults as registry
+    from shmctl.render import faults as render
+
+    render.fault_points(registry.REGISTRY, json_output=json_output)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("faults")(faults)

@@ -1,0 +1,69 @@
+"""Suite-wide fixtures. The autouse check makes every test prove it leaked nothing:
+no region file left in the shm root, no fd and no mapping of one in this process."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvoffload import faults
+
+SHM = Path("/dev/shm")
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM))
+    except OSError:
+        return set()
+
+
+def region_fds() -> list[str]:
+    """Targets of this process's fds that are kvoffload/vLLM region files."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "vllm_offload_" in target:
+            found.append(target)
+    return found
+
+
+def region_maps() -> list[str]:
+    """Lines of /proc/self/maps that map a region file (deleted or not)."""
+    with open("/proc/self/maps") as f:
+        return [line.rstrip("\n") for line in f if "vllm_offload_" in line]
+
+
+@pytest.fixture(autouse=True)
+def _leaves_shm_as_found() -> Iterator[None]:
+    before = _shm_entries()
+    yield
+    faults.configure(None)
+    leaked = sorted(_shm_entries() - before)
+    fds = region_fds()
+    maps = region_maps()
+    problems = []
+    if leaked:
+        problems.append(f"files left in {SHM}: {leaked}")
+        for name in leaked:  # clean up so one leak does not fail every later test
+            if name.startswith("vllm_offload_"):
+                (SHM / name).unlink(missing_ok=True)
+    if fds:
+        problems.append(f"open fds on region files: {fds}")
+    if maps:
+        problems.append(f"mappings of region files: {maps}")
+    if problems:
+        pytest.fail("; ".join(problems))
+
+
+@pytest.fixture
+def engine_id() -> str:
+    """A unique engine id so tests never collide with each other or a real engine."""
+    return f"kvtest-{uuid.uuid4().hex[:12]}"
