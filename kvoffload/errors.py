@@ -86,4 +86,3 @@ class RootError(KvOffloadError):
     def __init__(self, root: Path | str, message: str, *, fix: str | None = None) -> None:
         super().__init__(f"{root}: {message}", fix=fix)
         self.root = Path(root)
-

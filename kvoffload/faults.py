@@ -61,12 +61,18 @@ REGISTRY: tuple[FaultPoint, ...] = (
     FaultPoint("worker", "init", "worker side: before the offloading worker is constructed over its region"),
     FaultPoint("scheduler.region", "init", "tiering scheduler: before the whole-region mapping is created"),
     FaultPoint("primary", "init", "tiering scheduler: before the primary (CPU) tier is built"),
-    FaultPoint("secondary", "init", "tiering scheduler: before any secondary tier is built (secondary.N: the N-th)"),
+    FaultPoint(
+        "secondary", "init", "tiering scheduler: before any secondary tier is built (secondary.N: the N-th)"
+    ),
     FaultPoint("manager", "init", "scheduler: before the offloading manager is built over the tiers"),
-    FaultPoint("cleanup.secondary", "cleanup", "before a secondary tier is shut down (cleanup.secondary.N: the N-th)"),
+    FaultPoint(
+        "cleanup.secondary", "cleanup", "before a secondary tier is shut down (cleanup.secondary.N: the N-th)"
+    ),
     FaultPoint("cleanup.primary", "cleanup", "before the primary tier is shut down"),
     FaultPoint("cleanup.worker", "cleanup", "before the offloading worker is shut down"),
-    FaultPoint("cleanup.region", "cleanup", "at the start of a region's cleanup (the release still completes)"),
+    FaultPoint(
+        "cleanup.region", "cleanup", "at the start of a region's cleanup (the release still completes)"
+    ),
 )
 
 _BY_NAME = {p.name: p for p in REGISTRY}
@@ -114,7 +120,9 @@ def _parse_errno(text: str) -> int:
         return int(text)
     value = getattr(errno_mod, text.upper(), None)
     if not isinstance(value, int):
-        raise FaultSpecError("fault action", f"unknown errno {text!r}", fix="use a number or a name like ENOSPC")
+        raise FaultSpecError(
+            "fault action", f"unknown errno {text!r}", fix="use a number or a name like ENOSPC"
+        )
     return value
 
 
@@ -125,11 +133,15 @@ def parse_actions(spec: str) -> list[Term]:
         m = _TERM.fullmatch(raw)
         if m is None:
             raise FaultSpecError(
-                "fault action", f"cannot parse {raw!r}", fix="write [p%][cnt*]action[(arg)], e.g. 50%1*oserror(EFAULT)"
+                "fault action",
+                f"cannot parse {raw!r}",
+                fix="write [p%][cnt*]action[(arg)], e.g. 50%1*oserror(EFAULT)",
             )
         action, arg = m.group("action"), m.group("arg")
         if action not in _ACTIONS:
-            raise FaultSpecError("fault action", f"unknown action {action!r}", fix="use one of: " + ", ".join(_ACTIONS))
+            raise FaultSpecError(
+                "fault action", f"unknown action {action!r}", fix="use one of: " + ", ".join(_ACTIONS)
+            )
         term = Term(action=action, arg=arg)
         if m.group("pct") is not None:
             pct = float(m.group("pct"))
@@ -140,7 +152,9 @@ def parse_actions(spec: str) -> list[Term]:
             term.count = int(m.group("cnt"))
         if action == "oserror":
             if not arg:
-                raise FaultSpecError("fault action", "oserror needs an errno", fix="write oserror(14) or oserror(ENOSPC)")
+                raise FaultSpecError(
+                    "fault action", "oserror needs an errno", fix="write oserror(14) or oserror(ENOSPC)"
+                )
             term.errno = _parse_errno(arg)
         elif action == "sleep":
             try:
@@ -163,7 +177,9 @@ def parse_config(text: str) -> dict[str, list[Term]]:
             continue
         name, sep, actions = item.partition("=")
         if not sep:
-            raise FaultSpecError(ENV_VAR, f"{item!r} has no '='", fix="write name=action, e.g. secondary=raise")
+            raise FaultSpecError(
+                ENV_VAR, f"{item!r} has no '='", fix="write name=action, e.g. secondary=raise"
+            )
         config[validate_name(name.strip())] = parse_actions(actions)
     return config
 

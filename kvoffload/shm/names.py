@@ -67,7 +67,9 @@ def validate_engine_id(engine_id: str) -> str:
     if not isinstance(engine_id, str) or not engine_id:
         raise ConfigError("engine_id", "must be a non-empty string", fix="set kv_transfer_config.engine_id")
     if "/" in engine_id or "\0" in engine_id:
-        raise ConfigError("engine_id", f"{engine_id!r} contains '/' or NUL", fix="use letters, digits, '-' and '_'")
+        raise ConfigError(
+            "engine_id", f"{engine_id!r} contains '/' or NUL", fix="use letters, digits, '-' and '_'"
+        )
     longest = format_name(engine_id, MAX_SEGMENTS - 1, _check=False)
     if len(longest.encode("utf-8", "surrogateescape")) > NAME_MAX:
         raise ConfigError(

@@ -41,11 +41,7 @@ def emit_json(document: Any) -> None:
 
 def plain_output() -> bool:
     """True when output should be plain text: not a terminal, NO_COLOR, or TERM=dumb."""
-    return (
-        not sys.stdout.isatty()
-        or bool(os.environ.get("NO_COLOR"))
-        or os.environ.get("TERM") == "dumb"
-    )
+    return not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
 
 
 def console(*, stderr: bool = False) -> Console:

@@ -13,7 +13,12 @@ def fault_points(points: Sequence[FaultPoint], *, json_output: bool) -> None:
         emit_json(
             {
                 "points": [
-                    {"name": p.name, "phase": p.phase, "description": p.description, "indexed": p.name in INDEXED}
+                    {
+                        "name": p.name,
+                        "phase": p.phase,
+                        "description": p.description,
+                        "indexed": p.name in INDEXED,
+                    }
                     for p in points
                 ]
             }

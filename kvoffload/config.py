@@ -1,0 +1,389 @@
+"""Validated, frozen offloading configuration, built from vLLM's own ``--kv-transfer-config``.
+
+Everything here is checked before anything is allocated: a bad value raises
+``ConfigError`` naming the key and the fix. Keys we do not know are kept and reported
+as warnings, never errors: vLLM passes extra keys through to out-of-tree specs and
+tiers, and real configs carry them.
+
+Sizing follows vLLM 0.33 (``cpu/spec.py``) exactly:
+
+    copies               = 1 if replicated_layout else world_size
+    bytes_per_chunk      = worker_kv_bytes_per_block * copies * blocks_per_chunk
+    cpu_page_size_per_worker = bytes_per_chunk // copies
+    kv_bytes_per_chunk   = round_up(bytes_per_chunk, PAGESIZE)
+    num_chunks           = cpu_bytes_to_use // kv_bytes_per_chunk
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvoffload.errors import ConfigError
+from kvoffload.shm.names import validate_engine_id
+
+PAGESIZE = mmap.PAGESIZE
+SPEC_NAMES = ("CPUOffloadingSpec", "TieringOffloadingSpec")
+#: vLLM's ``_REGION_SEGMENTS``: the CPU spec splits regions of >= 2 GiB into up to this many files.
+CPU_SPEC_SEGMENTS = 32
+
+_TOP_LEVEL_KEYS = frozenset(
+    {
+        "kv_connector",
+        "engine_id",
+        "kv_role",
+        "kv_rank",
+        "kv_parallel_size",
+        "kv_buffer_device",
+        "kv_buffer_size",
+        "kv_ip",
+        "kv_port",
+        "kv_connector_extra_config",
+        "kv_connector_module_path",
+        "enable_permute_local_kv",
+        "kv_load_failure_policy",
+    }
+)
+_EXTRA_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "cpu_bytes_to_use",
+        "block_size",
+        "blocks_per_chunk",
+        "eviction_policy",
+        "cache_policy_module_path",
+        "store_threshold",
+        "max_tracker_size",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+        "canonical_layout",
+        "secondary_tiers",
+        "tier_poll_interval_s",
+        "backpressure",
+    }
+)
+
+Lifetime = Literal["kvoffload", "vllm"]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadingSizing:
+    """The figures vLLM derives from the config and the model, under vLLM's names."""
+
+    num_copies: int
+    cpu_page_size_per_worker: int
+    kv_bytes_per_chunk: int
+    num_chunks: int
+    total_bytes: int
+    row_padding: int
+
+    @classmethod
+    def compute(
+        cls,
+        cpu_bytes_to_use: int,
+        worker_kv_bytes_per_block: int,
+        blocks_per_chunk: int,
+        world_size: int,
+        replicated_layout: bool,
+        page_size: int = PAGESIZE,
+    ) -> OffloadingSizing:
+        if worker_kv_bytes_per_block <= 0 or world_size <= 0:
+            return cls(0, 0, 0, 0, 0, 0)
+        copies = 1 if replicated_layout else world_size
+        bytes_per_chunk = worker_kv_bytes_per_block * copies * blocks_per_chunk
+        per_worker = bytes_per_chunk // copies
+        kv_bytes_per_chunk = -(-bytes_per_chunk // page_size) * page_size
+        num_chunks = cpu_bytes_to_use // kv_bytes_per_chunk
+        return cls(
+            num_copies=copies,
+            cpu_page_size_per_worker=per_worker,
+            kv_bytes_per_chunk=kv_bytes_per_chunk,
+            num_chunks=num_chunks,
+            total_bytes=num_chunks * kv_bytes_per_chunk,
+            row_padding=kv_bytes_per_chunk - bytes_per_chunk,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadingConfig:
+    """One engine's offloading configuration plus the geometry vLLM takes from the model."""
+
+    engine_id: str
+    spec_name: str
+    cpu_bytes_to_use: int
+    worker_kv_bytes_per_block: int
+    world_size: int = 1
+    rank: int = 0
+    gpu_block_size: int = 16
+    blocks_per_chunk: int = 1
+    replicated_layout: bool = False
+    eviction_policy: str = "lru"
+    cache_policy_module_path: str | None = None
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    offload_prompt_only: bool = True
+    canonical_layout: bool = False
+    secondary_tiers: tuple[Mapping[str, Any], ...] = ()
+    tier_poll_interval_s: float = 0.001
+    root: Path = Path("/dev/shm")
+    lifetime: Lifetime = "kvoffload"
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def sizing(self) -> OffloadingSizing:
+        return OffloadingSizing.compute(
+            self.cpu_bytes_to_use,
+            self.worker_kv_bytes_per_block,
+            self.blocks_per_chunk,
+            self.world_size,
+            self.replicated_layout,
+        )
+
+    @property
+    def is_tiering(self) -> bool:
+        return self.spec_name == "TieringOffloadingSpec"
+
+    def for_rank(self, rank: int) -> OffloadingConfig:
+        """The same engine as seen by worker ``rank``."""
+        _check_range("rank", rank, 0, self.world_size - 1)
+        return _replace(self, rank=rank)
+
+    @classmethod
+    def from_kv_transfer_config(
+        cls,
+        kv_transfer_config: str | Mapping[str, Any],
+        *,
+        worker_kv_bytes_per_block: int,
+        world_size: int = 1,
+        rank: int = 0,
+        gpu_block_size: int = 16,
+        replicated_layout: bool = False,
+        root: Path | str = Path("/dev/shm"),
+        lifetime: Lifetime = "kvoffload",
+    ) -> OffloadingConfig:
+        """Parse vLLM's ``--kv-transfer-config`` (JSON text or an already-parsed mapping)."""
+        top = _load_top(kv_transfer_config)
+        warnings = [
+            f"unknown key {key!r} in kv_transfer_config (passed through)"
+            for key in top
+            if key not in _TOP_LEVEL_KEYS
+        ]
+        connector = top.get("kv_connector")
+        if connector is not None and connector != "OffloadingConnector":
+            raise ConfigError(
+                "kv_connector",
+                f"{connector!r} is not OffloadingConnector",
+                fix='set "kv_connector": "OffloadingConnector"',
+            )
+        engine_id = top.get("engine_id")
+        if engine_id is None:
+            engine_id = str(uuid.uuid4())  # what vLLM does when none is pinned
+        elif not isinstance(engine_id, str):
+            raise ConfigError("engine_id", f"must be a string, got {type(engine_id).__name__}")
+        validate_engine_id(engine_id)
+        extra = top.get("kv_connector_extra_config", {})
+        if not isinstance(extra, Mapping):
+            raise ConfigError("kv_connector_extra_config", "must be a JSON object")
+        warnings += [
+            f"unknown key {key!r} in kv_connector_extra_config (passed through to the spec)"
+            for key in extra
+            if key not in _EXTRA_KEYS
+        ]
+
+        _check_int("world_size", world_size, minimum=1)
+        _check_range("rank", _check_int("rank", rank, minimum=0), 0, world_size - 1)
+        _check_int("gpu_block_size", gpu_block_size, minimum=1)
+        _check_int("worker_kv_bytes_per_block", worker_kv_bytes_per_block, minimum=1)
+        if lifetime not in ("kvoffload", "vllm"):
+            raise ConfigError("lifetime", f"{lifetime!r} is neither 'kvoffload' nor 'vllm'")
+
+        spec_name = extra.get("spec_name", "CPUOffloadingSpec")
+        if spec_name not in SPEC_NAMES:
+            hint = (
+                " (out-of-tree specs via spec_module_path are not supported here)"
+                if "spec_module_path" in extra
+                else ""
+            )
+            raise ConfigError(
+                "kv_connector_extra_config.spec_name",
+                f"unknown spec {spec_name!r}{hint}",
+                fix="use CPUOffloadingSpec or TieringOffloadingSpec",
+            )
+        cpu_bytes = _cpu_bytes(extra)
+        blocks_per_chunk = _blocks_per_chunk(extra, gpu_block_size)
+        eviction_policy = _string(extra, "eviction_policy", "lru")
+        module_path = extra.get("cache_policy_module_path")
+        if module_path is not None and not isinstance(module_path, str):
+            raise ConfigError("kv_connector_extra_config.cache_policy_module_path", "must be a string")
+        if module_path is None:
+            from kvoffload.cpu.policies import KNOWN_POLICIES
+
+            if eviction_policy not in KNOWN_POLICIES:
+                raise ConfigError(
+                    "kv_connector_extra_config.eviction_policy",
+                    f"unknown eviction policy {eviction_policy!r}",
+                    fix="use one of: " + ", ".join(KNOWN_POLICIES) + " (or set cache_policy_module_path)",
+                )
+        store_threshold = _extra_int(extra, "store_threshold", 0, minimum=0)
+        if spec_name == "TieringOffloadingSpec" and store_threshold >= 2:
+            raise ConfigError(
+                "kv_connector_extra_config.store_threshold",
+                "store_threshold is not supported for TieringOffloadingSpec",
+                fix="remove store_threshold or set it below 2",
+            )
+        tiers = _secondary_tiers(extra, spec_name)
+        poll = extra.get("tier_poll_interval_s", 0.001)
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)):
+            raise ConfigError("kv_connector_extra_config.tier_poll_interval_s", "must be a number of seconds")
+
+        return cls(
+            engine_id=engine_id,
+            spec_name=spec_name,
+            cpu_bytes_to_use=cpu_bytes,
+            worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+            world_size=world_size,
+            rank=rank,
+            gpu_block_size=gpu_block_size,
+            blocks_per_chunk=blocks_per_chunk,
+            replicated_layout=_check_bool("replicated_layout", replicated_layout),
+            eviction_policy=eviction_policy,
+            cache_policy_module_path=module_path,
+            store_threshold=store_threshold,
+            max_tracker_size=_extra_int(extra, "max_tracker_size", 64_000, minimum=1),
+            offload_prompt_only=_extra_bool(extra, "offload_prompt_only", True),
+            canonical_layout=_extra_bool(extra, "canonical_layout", False),
+            secondary_tiers=tiers,
+            tier_poll_interval_s=float(poll),
+            root=Path(root),
+            lifetime=lifetime,
+            extra_config=dict(extra),
+            warnings=tuple(warnings),
+        )
+
+
+def _replace(config: OffloadingConfig, **changes: Any) -> OffloadingConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def _load_top(raw: str | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                "kv_transfer_config",
+                f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}",
+                fix="quote the JSON in single quotes in the shell",
+            ) from None
+    if not isinstance(raw, Mapping):
+        raise ConfigError("kv_transfer_config", "must be a JSON object")
+    return raw
+
+
+def _check_int(key: str, value: object, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_range(key: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise ConfigError(key, f"{value} is outside {low}..{high}")
+    return value
+
+
+def _check_bool(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _extra_int(extra: Mapping[str, Any], key: str, default: int, *, minimum: int) -> int:
+    return _check_int(f"kv_connector_extra_config.{key}", extra.get(key, default), minimum=minimum)
+
+
+def _extra_bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    return _check_bool(f"kv_connector_extra_config.{key}", extra.get(key, default))
+
+
+def _string(extra: Mapping[str, Any], key: str, default: str) -> str:
+    value = extra.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"kv_connector_extra_config.{key}", f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _cpu_bytes(extra: Mapping[str, Any]) -> int:
+    key = "kv_connector_extra_config.cpu_bytes_to_use"
+    value = extra.get("cpu_bytes_to_use")
+    if value is None or value == 0:
+        raise ConfigError(
+            key, "must be specified", fix='add "cpu_bytes_to_use": <bytes> (the total across all workers)'
+        )
+    if isinstance(value, bool):
+        raise ConfigError(key, f"must be a number of bytes, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)  # vLLM int()-converts it
+    if not isinstance(value, int):
+        raise ConfigError(key, f"must be a whole number of bytes, got {value!r}")
+    if value <= 0:
+        raise ConfigError(key, f"must be positive, got {value}")
+    return value
+
+
+def _blocks_per_chunk(extra: Mapping[str, Any], gpu_block_size: int) -> int:
+    has_block_size = "block_size" in extra
+    has_bpc = "blocks_per_chunk" in extra
+    if has_block_size and has_bpc:
+        raise ConfigError(
+            "kv_connector_extra_config.block_size",
+            "block_size and blocks_per_chunk are mutually exclusive",
+            fix="keep one of them",
+        )
+    if has_bpc:
+        return _extra_int(extra, "blocks_per_chunk", 1, minimum=1)
+    if has_block_size:
+        block_size = _extra_int(extra, "block_size", gpu_block_size, minimum=1)
+        if block_size % gpu_block_size:
+            raise ConfigError(
+                "kv_connector_extra_config.block_size",
+                f"{block_size} is not a multiple of the GPU block size {gpu_block_size}",
+                fix=f"use a multiple of {gpu_block_size}",
+            )
+        return block_size // gpu_block_size
+    return 1
+
+
+def _secondary_tiers(extra: Mapping[str, Any], spec_name: str) -> tuple[Mapping[str, Any], ...]:
+    key = "kv_connector_extra_config.secondary_tiers"
+    tiers = extra.get("secondary_tiers", [])
+    if not isinstance(tiers, list):
+        raise ConfigError(key, "secondary_tiers must be a list of tier configurations")
+    if tiers and spec_name != "TieringOffloadingSpec":
+        raise ConfigError(
+            key, "secondary tiers need TieringOffloadingSpec", fix='set "spec_name": "TieringOffloadingSpec"'
+        )
+    if not tiers:
+        return ()
+    from kvoffload.tiering.tiers import SecondaryTierFactory
+
+    checked = []
+    for i, tier in enumerate(tiers):
+        if not isinstance(tier, Mapping):
+            raise ConfigError(f"{key}[{i}]", "must be a JSON object with a 'type'")
+        SecondaryTierFactory.get_tier_class(tier)
+        checked.append(dict(tier))
+    return tuple(checked)

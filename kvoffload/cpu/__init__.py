@@ -1,0 +1,1 @@
+"""CPU offloading: the chunk-pool manager, its cache policies and (lead) the CPU spec."""

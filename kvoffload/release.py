@@ -1,0 +1,43 @@
+"""Release steps that never hide the error in flight, and a journal of what they did.
+
+Cleanup after a failed init must run every step even when one fails, log the failure,
+and let the original exception reach the caller. ``Journal.quietly`` is that step; the
+journal keeps the order and outcome, which ``shmctl init`` reports to the operator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseStep:
+    what: str
+    ok: bool
+    error: str | None = None
+    at: float = 0.0
+
+
+@dataclass(slots=True)
+class Journal:
+    steps: list[ReleaseStep] = field(default_factory=list)
+
+    def quietly(self, what: str, fn: Callable[[], object]) -> bool:
+        """Run one release step; log and record a failure instead of raising it."""
+        try:
+            fn()
+        except Exception as e:
+            log.exception("release step failed: %s", what)
+            self.steps.append(ReleaseStep(what, False, f"{type(e).__name__}: {e}", time.time()))
+            return False
+        self.steps.append(ReleaseStep(what, True, None, time.time()))
+        return True
+
+    def record(self, what: str, error: BaseException | None = None) -> None:
+        text = None if error is None else f"{type(error).__name__}: {error}"
+        self.steps.append(ReleaseStep(what, error is None, text, time.time()))

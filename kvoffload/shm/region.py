@@ -1,0 +1,725 @@
+"""SharedOffloadRegion: the CPU KV-offload region in the shm root, as vLLM 0.33 lays it out.
+
+One engine maps one region, ``{root}/vllm_offload_{engine_id}.mmap`` (plus segment files
+``.mmap.1 ...`` for large regions), shared by every worker and by the tiering scheduler.
+Rows are chunks; a worker of rank r owns bytes ``[r * cpu_page_size, (r+1) * cpu_page_size)``
+of every row; the scheduler side (``rank=None``) maps the whole region.
+
+What we keep from vLLM, byte for byte: the names, the sizing, creator election by
+``O_CREAT|O_EXCL`` with mode 0600, segment files sized before the base file, joiners
+waiting for the base file's size, MAP_SHARED, pre-faulting with MADV_POPULATE_WRITE
+(EINVAL falls back to a byte-preserving per-page touch), creator-only unlink.
+
+What we add, because vLLM leaks (issues #51579, #54002, #57303):
+
+* Liveness that tools can read from the kernel: every participant holds
+  ``flock(LOCK_SH)`` on the base file for as long as it maps it, and the creator stores
+  an owner record (pid, start time, boot id) as an xattr. A region nobody holds can be
+  proven dead with one ``LOCK_EX|LOCK_NB``; the lock dies with its holder, even on SIGKILL.
+* No leak after startup: participants join an attach ledger (one OFD byte-range lock
+  per participant, far beyond the data, independent of flock). The participant that
+  sees every expected participant attached unlinks the path. Nobody unlinks before
+  the last expected participant has attached, so a late participant can never create a
+  second, disconnected file (the split-brain vLLM #57313 ran into). ``lifetime="vllm"``
+  keeps vLLM 0.33's behaviour (path kept until the creator's graceful cleanup).
+* Every unlink checks that the name still refers to the inode we created, so an old
+  generation never deletes a newer engine's file that reuses the name (vLLM #57422).
+* A failure anywhere in construction releases everything acquired so far, in reverse
+  order, and re-raises the original exception; a release step that fails is logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import struct
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvoffload import faults
+from kvoffload.errors import (
+    ConfigError,
+    CreatorFailedError,
+    InsufficientSpaceError,
+    JoinTimeoutError,
+    RegionError,
+    RegionReleasedError,
+    RootError,
+)
+from kvoffload.release import Journal
+from kvoffload.shm import names
+from kvoffload.shm.owner import OwnerRecord, read_owner, write_owner
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+PAGESIZE = mmap.PAGESIZE
+DEFAULT_ROOT = Path("/dev/shm")
+#: vLLM's minimum segment size: regions under two of these are always one file.
+MIN_SEGMENT_BYTES = 1 << 30
+#: Byte-range locks of the attach ledger live here, far past any data offset.
+LEDGER_OFFSET = 1 << 62
+_MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_POPULATE_STEP = 256 << 20  # bytes per madvise call, so progress can be reported
+_FLOCK_STRUCT = "hhqqi4x"  # struct flock on 64-bit Linux: type, whence, start, len, pid
+
+Lifetime = Literal["kvoffload", "vllm"]
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One file of the region: the bytes ``[offset, offset + length)`` of the whole."""
+
+    index: int
+    name: str
+    offset: int
+    length: int
+
+
+def plan_segments(
+    engine_id: str,
+    num_chunks: int,
+    row_stride: int,
+    num_segments: int = 1,
+    min_segment_bytes: int = MIN_SEGMENT_BYTES,
+) -> list[Segment]:
+    """Split the region into files exactly as vLLM does.
+
+    Count = min(requested, total // min_segment_bytes); rows per file = ceil(num_chunks /
+    max(1, count)); one file per run of that many rows. Regions under two minimum
+    segments stay one file.
+    """
+    total = num_chunks * row_stride
+    count = min(num_segments, total // min_segment_bytes) if min_segment_bytes > 0 else num_segments
+    rows_per = max(1, -(-num_chunks // max(1, count)))
+    segments = []
+    for index, first_row in enumerate(range(0, max(num_chunks, 1), rows_per)):
+        rows = min(rows_per, num_chunks - first_row)
+        segments.append(
+            Segment(index, names.format_name(engine_id, index), first_row * row_stride, rows * row_stride)
+        )
+    return segments
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+# MADV_POPULATE_WRITE needs Linux >= 5.14; probe once per process (vLLM PR #51116).
+_populate_supported: bool | None = None
+
+
+def _populate_write_supported(mm: mmap.mmap) -> bool:
+    global _populate_supported
+    if _populate_supported is None:
+        try:
+            mm.madvise(_MADV_POPULATE_WRITE, 0, PAGESIZE)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            log.warning("MADV_POPULATE_WRITE is not supported; falling back to per-page writes")
+            _populate_supported = False
+        else:
+            _populate_supported = True
+    return _populate_supported
+
+
+def _touch_pages(mm: mmap.mmap, start: int, length: int) -> None:
+    """Fault pages in by rewriting one byte per page with itself (content preserved)."""
+    import numpy as np
+
+    arr = np.frombuffer(mm, dtype=np.uint8)  # type: ignore[call-overload]
+    try:
+        arr[start : start + length : PAGESIZE] |= 0
+    finally:
+        del arr
+
+
+def merge_ranges(ranges: Iterator[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge sorted, page-aligned (start, end) ranges that touch or overlap."""
+    merged: list[tuple[int, int]] = []
+    for start, end in ranges:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+class SharedOffloadRegion:
+    """The shared CPU KV-offload region of one engine (see the module docstring).
+
+    ``rank=None`` maps the whole region (scheduler side); ``rank=r`` is worker slot r.
+    ``participant``/``participants`` enable the attach ledger: this is participant
+    ``participant`` of ``participants`` expected; with ``lifetime="kvoffload"`` the path is
+    unlinked once all of them have attached.
+    """
+
+    BLOCK_SIZE_ALIGNMENT = PAGESIZE
+
+    def __init__(
+        self,
+        engine_id: str,
+        num_chunks: int,
+        rank: int | None,
+        kv_bytes_per_chunk: int,
+        cpu_page_size: int,
+        barrier: Callable[[], object] | None = None,
+        *,
+        creator_memory_check: Callable[[int], object] | None = None,
+        populate_shard: tuple[int, int] | None = None,
+        num_segments: int = 1,
+        root: Path | str = DEFAULT_ROOT,
+        participant: int | None = None,
+        participants: int | None = None,
+        lifetime: Lifetime = "kvoffload",
+        join_timeout_s: float = 30.0,
+        poll_interval_s: float = 0.005,
+        min_segment_bytes: int = MIN_SEGMENT_BYTES,
+        populate: bool = True,
+        reserve: bool | None = None,
+        progress: Progress | None = None,
+        journal: Journal | None = None,
+    ) -> None:
+        self.engine_id = names.validate_engine_id(engine_id)
+        self._validate(
+            num_chunks, rank, kv_bytes_per_chunk, cpu_page_size, populate_shard, participant, participants
+        )
+        if lifetime not in ("kvoffload", "vllm"):
+            raise ConfigError("lifetime", f"{lifetime!r} is neither 'kvoffload' nor 'vllm'")
+        self.num_chunks = num_chunks
+        self.rank = rank
+        self.row_stride = kv_bytes_per_chunk
+        self.cpu_page_size = cpu_page_size
+        self.total_bytes = num_chunks * kv_bytes_per_chunk
+        self.root = Path(root)
+        self.lifetime: Lifetime = lifetime
+        self.participant = participant
+        self.participants = participants
+        self.segments = plan_segments(
+            engine_id, num_chunks, kv_bytes_per_chunk, num_segments, min_segment_bytes
+        )
+        self.path = self.root / self.segments[0].name
+        self.creator = False
+        self.unlinked = False
+        self.populated_with: str | None = None
+        # Reserve pages only when they will be populated anyway; otherwise stay sparse like vLLM.
+        self._reserve = populate if reserve is None else reserve
+
+        self._dir_fd = -1
+        self._fd = -1
+        self._mm: mmap.mmap | None = None
+        self._identities: dict[str, tuple[int, int]] = {}  # name -> (st_dev, st_ino) we created
+        self._base: torch.Tensor | None = None
+        self._views: list[Any] = []
+        self._worker_offset = 0 if rank is None else rank * cpu_page_size
+        self._canonical_offset = 0
+        self._released = False
+        #: Every release step (init unwind and cleanup) in order, with its outcome.
+        self.journal = journal if journal is not None else Journal()
+        self._barrier = barrier
+        self._barriers_owed = 0 if barrier is None else (2 if populate_shard is not None else 1)
+
+        with ExitStack() as undo:
+            # LIFO: peers waiting at our barrier are released last, after our own undo.
+            undo.callback(self._release_owed_barriers)
+            self._open(undo, creator_memory_check, join_timeout_s, poll_interval_s)
+            faults.point("region.mmap")
+            self._map(undo)
+            faults.point("region.attach")
+            self._attach()
+            if populate:
+                faults.point("region.populate")
+                self._populate(populate_shard, progress)
+            if populate_shard is not None and self._barrier is not None:
+                self._call_barrier()
+            undo.pop_all()
+
+    # ----------------------------------------------------------------- validation
+
+    @staticmethod
+    def _validate(
+        num_chunks: int,
+        rank: int | None,
+        kv_bytes_per_chunk: int,
+        cpu_page_size: int,
+        populate_shard: tuple[int, int] | None,
+        participant: int | None,
+        participants: int | None,
+    ) -> None:
+        if num_chunks <= 0:
+            raise ConfigError(
+                "num_chunks", f"must be positive, got {num_chunks}", fix="raise cpu_bytes_to_use"
+            )
+        if kv_bytes_per_chunk <= 0 or kv_bytes_per_chunk % PAGESIZE:
+            raise ConfigError(
+                "kv_bytes_per_chunk",
+                f"{kv_bytes_per_chunk} is not a positive multiple of the page size {PAGESIZE}",
+            )
+        if cpu_page_size <= 0 or cpu_page_size > kv_bytes_per_chunk:
+            raise ConfigError("cpu_page_size", f"{cpu_page_size} is outside 1..{kv_bytes_per_chunk}")
+        if rank is not None and (rank < 0 or (rank + 1) * cpu_page_size > kv_bytes_per_chunk):
+            raise ConfigError("rank", f"worker slot {rank} does not fit a row of {kv_bytes_per_chunk} bytes")
+        if populate_shard is not None and not 0 <= populate_shard[0] < populate_shard[1]:
+            raise ConfigError("populate_shard", f"{populate_shard} is not (index, count) with index < count")
+        if (participant is None) != (participants is None):
+            raise ConfigError("participants", "participant and participants go together")
+        if participant is not None and participants is not None and not 0 <= participant < participants:
+            raise ConfigError("participant", f"{participant} is outside 0..{participants - 1}")
+
+    # ----------------------------------------------------------------- open/size
+
+    def _open(
+        self,
+        undo: ExitStack,
+        memory_check: Callable[[int], object] | None,
+        join_timeout_s: float,
+        poll_interval_s: float,
+    ) -> None:
+        try:
+            self._dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise RootError(self.root, "does not exist", fix="create it or pass another root") from None
+        except NotADirectoryError:
+            raise RootError(self.root, "is not a directory", fix="pass the shm mount point") from None
+        undo.callback(self.journal.quietly, f"close root fd of {self.path.name}", self._close_dir_fd)
+        base = self.segments[0]
+        faults.point("region.open")
+        # The election can lose a race with a creator that fails and unlinks between our
+        # EEXIST and our open; try again rather than report a spurious failure.
+        for _attempt in range(3):
+            try:
+                self._fd = os.open(
+                    base.name,
+                    os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,
+                    dir_fd=self._dir_fd,
+                )
+                self.creator = True
+                break
+            except FileExistsError:
+                pass
+            try:
+                self._fd = os.open(base.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+                break
+            except FileNotFoundError:
+                continue
+        else:
+            raise CreatorFailedError(self.path, "the file kept vanishing between create and join")
+        undo.callback(self.journal.quietly, f"close fd of {self.path.name}", self._close_fd)
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RegionError(self.path, "is not a regular file", fix="remove it; it was not made by vLLM")
+        self._identities[base.name] = (st.st_dev, st.st_ino)
+        if self.creator:
+            # From here on an unwind removes what we created (inode-checked).
+            undo.callback(self.journal.quietly, f"unlink {self.path.name} (creator)", self._unlink_created)
+            # Hold the liveness lock before anything can observe the file, then say who we are.
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            write_owner(self._fd, OwnerRecord.for_current_process(self.engine_id))
+            self._size_as_creator(memory_check)
+        else:
+            self._wait_for_size(base.length, join_timeout_s, poll_interval_s)
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            if os.fstat(self._fd).st_nlink == 0:
+                raise CreatorFailedError(self.path, "was removed while this participant joined")
+
+    def _size_as_creator(self, memory_check: Callable[[int], object] | None) -> None:
+        faults.point("region.space")
+        if memory_check is not None:
+            memory_check(self.total_bytes)
+        vfs = os.fstatvfs(self._fd)
+        free = vfs.f_bavail * vfs.f_frsize
+        if free < self.total_bytes:
+            raise InsufficientSpaceError(self.path, self.total_bytes, free)
+        faults.point("region.truncate")
+        # Joiners wait for the base file, so it is sized last: once it has its size,
+        # every segment file exists with its own.
+        for seg in self.segments[1:]:
+            fd = os.open(
+                seg.name,
+                os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=self._dir_fd,
+            )
+            try:
+                st = os.fstat(fd)
+                self._identities[seg.name] = (st.st_dev, st.st_ino)
+                self._size_file(fd, seg.length, free)
+            finally:
+                os.close(fd)
+        self._size_file(self._fd, self.segments[0].length, free)
+        log.info("Created mmap file %s (%.2f GB)", self.path, self.total_bytes / 1e9)
+
+    def _size_file(self, fd: int, length: int, free: int) -> None:
+        if not self._reserve:
+            os.ftruncate(fd, length)
+            return
+        # Reserving the pages up front made creation ~20% faster on tmpfs (bench/bench_region.py),
+        # and a root that fills up meanwhile fails here with ENOSPC instead of EFAULT in the
+        # middle of populate (vLLM #54002).
+        try:
+            os.posix_fallocate(fd, 0, length)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise InsufficientSpaceError(self.path, self.total_bytes, free) from e
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, length)
+
+    def _wait_for_size(self, expected: int, timeout_s: float, poll_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        next_probe = 0.0
+        while True:
+            st = os.fstat(self._fd)
+            if st.st_nlink == 0:
+                raise CreatorFailedError(
+                    self.path,
+                    "the creator removed the region before sizing it (it failed during initialization)",
+                )
+            if st.st_size >= expected:
+                return
+            now = time.monotonic()
+            if now >= next_probe:
+                next_probe = now + 0.05
+                self._fail_if_creator_died()
+            if now >= deadline:
+                raise JoinTimeoutError(
+                    self.path,
+                    f"timed out after {timeout_s:g}s waiting for the region to reach {expected} bytes "
+                    f"(it has {st.st_size})",
+                    fix="check that the creating process is alive; `shmctl scan` shows the file's holders",
+                )
+            time.sleep(poll_s)
+
+    def _fail_if_creator_died(self) -> None:
+        """A kvoffload creator holds LOCK_SH from its first instant; none held means it died."""
+        record = read_owner(self._fd)
+        if record is None:
+            return  # a vLLM creator keeps no lock: only the timeout can tell
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        raise CreatorFailedError(
+            self.path,
+            f"the creator (pid {record.pid}) died before sizing the region",
+            fix=f"`shmctl reap --engine {self.engine_id}` removes the orphan; then start again",
+        )
+
+    # ----------------------------------------------------------------- map/attach
+
+    def _map(self, undo: ExitStack) -> None:
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        if len(self.segments) == 1:
+            self._mm = mmap.mmap(self._fd, self.total_bytes, flags=mmap.MAP_SHARED, prot=prot)
+            undo.callback(self.journal.quietly, f"unmap {self.path.name}", self._close_mapping)
+            return
+        # Several files, one contiguous address range: reserve it anonymously, then map
+        # each segment file over its part (MAP_FIXED), as vLLM does.
+        self._mm = mmap.mmap(-1, self.total_bytes, flags=mmap.MAP_PRIVATE, prot=prot)
+        undo.callback(self.journal.quietly, f"unmap {self.path.name}", self._close_mapping)
+        anchor = ctypes.c_char.from_buffer(self._mm)
+        base_addr = ctypes.addressof(anchor)
+        del anchor
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        map_fixed = getattr(mmap, "MAP_FIXED", 0x10)
+        for seg in self.segments:
+            if seg.index == 0:
+                fd = self._fd
+            else:
+                fd = os.open(seg.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+                st = os.fstat(fd)
+                self._identities.setdefault(seg.name, (st.st_dev, st.st_ino))
+            try:
+                want = base_addr + seg.offset
+                got = libc.mmap(want, seg.length, prot, mmap.MAP_SHARED | map_fixed, fd, 0)
+                if got != want:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"mmap of {seg.name} failed: {os.strerror(err)}")
+            finally:
+                if fd != self._fd:
+                    os.close(fd)
+
+    def _attach(self) -> None:
+        if self._barrier is not None:
+            self._call_barrier()
+            if self.creator:
+                self._unlink_created()
+        if self.participant is None or self.participants is None:
+            return
+        try:
+            self._ledger_lock(self._fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, self.participant)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise RegionError(
+                self.path,
+                f"participant slot {self.participant} is already attached by another process",
+                fix="each worker needs its own rank; is a second engine using the same engine_id?",
+            ) from None
+        if self.lifetime == "kvoffload" and self.attached_participants() >= self.participants:
+            # Everyone expected has mapped it: nobody else will open this name again.
+            self._unlink_created(any_participant=True)
+
+    @staticmethod
+    def _ledger_lock(fd: int, cmd: int, kind: int, slot: int) -> int:
+        packed = struct.pack(_FLOCK_STRUCT, kind, os.SEEK_SET, LEDGER_OFFSET + slot, 1, 0)
+        result = fcntl.fcntl(fd, cmd, packed)
+        return int(struct.unpack(_FLOCK_STRUCT, result)[0])
+
+    def attached_participants(self) -> int:
+        """How many ledger slots are held now, by any process (ours included)."""
+        if self.participants is None or self._fd < 0:
+            return 0
+        count = 0
+        for slot in range(self.participants):
+            if slot == self.participant:
+                count += 1
+                continue
+            if self._ledger_lock(self._fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, slot) != fcntl.F_UNLCK:
+                count += 1
+        return count
+
+    def _call_barrier(self) -> None:
+        assert self._barrier is not None
+        self._barriers_owed -= 1
+        self._barrier()
+
+    def _release_owed_barriers(self) -> None:
+        # Peers block in the barrier until we arrive; a failed participant still arrives.
+        while self._barriers_owed > 0 and self._barrier is not None:
+            self._barriers_owed -= 1
+            self.journal.quietly("release peers at the barrier", self._barrier)
+
+    # ----------------------------------------------------------------- populate
+
+    def slot_ranges(self) -> list[tuple[int, int]]:
+        """Page-aligned (start, end) byte ranges this worker's slots cover, merged."""
+        assert self.rank is not None
+        lo = self.rank * self.cpu_page_size
+        hi = lo + self.cpu_page_size
+        return merge_ranges(
+            (
+                row * self.row_stride + lo // PAGESIZE * PAGESIZE,
+                row * self.row_stride + _round_up(hi, PAGESIZE),
+            )
+            for row in range(self.num_chunks)
+        )
+
+    def _populate(self, shard: tuple[int, int] | None, progress: Progress | None) -> None:
+        assert self._mm is not None
+        if shard is not None:
+            share = _round_up(-(-self.total_bytes // shard[1]), PAGESIZE)
+            start = min(self.total_bytes, shard[0] * share)
+            ranges = [(start, min(self.total_bytes, start + share))]
+        elif self.rank is not None:
+            ranges = self.slot_ranges()
+        else:
+            ranges = [(0, self.total_bytes)]
+        use_madvise = _populate_write_supported(self._mm)
+        self.populated_with = "madvise" if use_madvise else "touch"
+        todo = sum(end - start for start, end in ranges)
+        done = 0
+        for start, end in ranges:
+            offset = start
+            while offset < end:
+                length = min(_POPULATE_STEP, end - offset)
+                if use_madvise:
+                    self._mm.madvise(_MADV_POPULATE_WRITE, offset, length)
+                else:
+                    _touch_pages(self._mm, offset, length)
+                offset += length
+                done += length
+                if progress is not None:
+                    progress(done, todo)
+
+    # ----------------------------------------------------------------- views
+
+    @property
+    def base_tensor(self) -> torch.Tensor:
+        if self._released or self._mm is None:
+            raise RegionReleasedError(self.path, "Shared offload region has been released.")
+        if self._base is None:
+            import torch
+
+            self._base = torch.frombuffer(self._mm, dtype=torch.int8)
+        return self._base
+
+    def create_next_worker_view(self, tensor_page_size: int) -> torch.Tensor:
+        """The next ``(num_chunks, tensor_page_size)`` slice of this worker's slot in every row."""
+        import torch
+
+        if self.rank is None:
+            raise RegionError(self.path, "the scheduler-side region has no worker slot")
+        end = self.rank * self.cpu_page_size + self.cpu_page_size
+        if self._worker_offset + tensor_page_size > end:
+            raise RegionError(
+                self.path,
+                f"Worker offset {self._worker_offset} + {tensor_page_size} exceeds worker area end {end}",
+            )
+        view = torch.as_strided(
+            self.base_tensor, (self.num_chunks, tensor_page_size), (self.row_stride, 1), self._worker_offset
+        )
+        self._worker_offset += tensor_page_size
+        self._views.append(view)
+        return view
+
+    def create_next_canonical_view(self, tensor_page_size: int) -> torch.Tensor:
+        """The next slice from the row start, the same bytes for every worker (canonical layout)."""
+        import torch
+
+        if self._canonical_offset + tensor_page_size > self.row_stride:
+            raise RegionError(self.path, f"canonical offset exceeds the row stride {self.row_stride}")
+        view = torch.as_strided(
+            self.base_tensor,
+            (self.num_chunks, tensor_page_size),
+            (self.row_stride, 1),
+            self._canonical_offset,
+        )
+        self._canonical_offset += tensor_page_size
+        self._views.append(view)
+        return view
+
+    def create_kv_memoryview(self) -> memoryview:
+        """The whole region as a ``(num_chunks, row_stride)`` byte memoryview; chunk c is ``view[c]``."""
+        if self._released or self._mm is None:
+            raise RegionReleasedError(self.path, "Shared offload region has been released.")
+        view = memoryview(self._mm).cast("B", (self.num_chunks, self.row_stride))
+        self._views.append(view)
+        return view
+
+    # ----------------------------------------------------------------- release
+
+    @property
+    def closed(self) -> bool:
+        return self._released
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    @property
+    def identity(self) -> tuple[int, int] | None:
+        """(st_dev, st_ino) of the base file as this participant opened it."""
+        if self._fd < 0:
+            return None
+        st = os.fstat(self._fd)
+        return (st.st_dev, st.st_ino)
+
+    def cleanup(self) -> None:
+        """Release views, the mapping, the fd and (creator only, same inode) the files. Idempotent.
+
+        Every step runs even if an earlier one fails; the first failure is raised at the end.
+        """
+        if self._released:
+            return
+        self._released = True
+        errors: list[BaseException] = []
+
+        def step(what: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except Exception as e:
+                log.exception("region cleanup step failed: %s (%s)", what, self.path)
+                self.journal.record(what, e)
+                errors.append(e)
+            else:
+                self.journal.record(what)
+
+        name = self.path.name
+        step("cleanup.region fault point", lambda: faults.point("cleanup.region"))
+        step(f"unmap {name}", self._close_mapping)
+        step(f"close fd of {name}", self._close_fd)
+        if self.creator and not self.unlinked:
+            step(f"unlink {name} (creator)", self._unlink_created)
+        step(f"close root fd of {name}", self._close_dir_fd)
+        if errors:
+            for extra in errors[1:]:
+                errors[0].add_note(f"also failed during cleanup: {extra!r}")
+            raise errors[0]
+
+    def _close_mapping(self) -> None:
+        # Views hold exports of the buffer; drop ours first or close() raises BufferError.
+        for view in self._views:
+            if isinstance(view, memoryview):
+                view.release()
+        self._views.clear()
+        self._base = None
+        if self._mm is None:
+            return
+        try:
+            self._mm.close()
+        except BufferError:
+            # Native code still exports the buffer: unmapping would leave it dangling.
+            log.warning("Keeping %s mapped: buffers are still exported to native users", self.path)
+            return
+        self._mm = None
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def _close_dir_fd(self) -> None:
+        if self._dir_fd >= 0:
+            fd, self._dir_fd = self._dir_fd, -1
+            os.close(fd)
+
+    def _unlink_created(self, any_participant: bool = False) -> None:
+        """Remove the region's files if the names still refer to the inodes this region maps.
+
+        Only the creator unlinks at cleanup; ``any_participant`` is the ledger's unlink by
+        whoever sees the last expected participant attach.
+        """
+        if self.unlinked or self._dir_fd < 0 or not (self.creator or any_participant):
+            return
+        for name, ident in self._identities.items():
+            self._unlink_if_same(name, ident)
+        self.unlinked = True
+
+    def _unlink_if_same(self, name: str, ident: tuple[int, int]) -> None:
+        try:
+            st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) != ident:
+            # A newer engine reused the name; its file is not ours to delete.
+            log.warning("Not unlinking %s: it now names another file (inode %d)", name, st.st_ino)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self._dir_fd)
+        log.info("Unlinked mmap file %s", self.root / name)
+
+    def __enter__(self) -> SharedOffloadRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def __repr__(self) -> str:
+        side = "scheduler" if self.rank is None else f"rank {self.rank}"
+        return f"SharedOffloadRegion({self.path}, {side}, {self.total_bytes} bytes, creator={self.creator})"

@@ -1,0 +1,1 @@
+"""Tiering: a CPU primary tier in the shared region with write-through secondary tiers."""
