@@ -118,22 +118,26 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-# MADV_POPULATE_WRITE needs Linux >= 5.14; probe once per process (vLLM PR #51116).
+def probe_populate_write(madvise: Callable[[int, int, int], object]) -> bool:
+    """Does MADV_POPULATE_WRITE work here (Linux >= 5.14)? EINVAL means no; other errors propagate."""
+    try:
+        madvise(_MADV_POPULATE_WRITE, 0, PAGESIZE)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        log.warning("MADV_POPULATE_WRITE is not supported; falling back to per-page writes")
+        return False
+    return True
+
+
+# Probed once per process, as vLLM PR #51116 does.
 _populate_supported: bool | None = None
 
 
 def _populate_write_supported(mm: mmap.mmap) -> bool:
     global _populate_supported
     if _populate_supported is None:
-        try:
-            mm.madvise(_MADV_POPULATE_WRITE, 0, PAGESIZE)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            log.warning("MADV_POPULATE_WRITE is not supported; falling back to per-page writes")
-            _populate_supported = False
-        else:
-            _populate_supported = True
+        _populate_supported = probe_populate_write(mm.madvise)
     return _populate_supported
 
 
@@ -189,7 +193,7 @@ class SharedOffloadRegion:
         join_timeout_s: float = 30.0,
         poll_interval_s: float = 0.005,
         min_segment_bytes: int = MIN_SEGMENT_BYTES,
-        populate: bool = True,
+        populate: bool | Literal["madvise", "touch"] = True,
         reserve: bool | None = None,
         progress: Progress | None = None,
         journal: Journal | None = None,
@@ -217,7 +221,7 @@ class SharedOffloadRegion:
         self.unlinked = False
         self.populated_with: str | None = None
         # Reserve pages only when they will be populated anyway; otherwise stay sparse like vLLM.
-        self._reserve = populate if reserve is None else reserve
+        self._reserve = bool(populate) if reserve is None else reserve
 
         self._dir_fd = -1
         self._fd = -1
@@ -243,7 +247,7 @@ class SharedOffloadRegion:
             self._attach()
             if populate:
                 faults.point("region.populate")
-                self._populate(populate_shard, progress)
+                self._populate(populate_shard, progress, None if populate is True else populate)
             if populate_shard is not None and self._barrier is not None:
                 self._call_barrier()
             undo.pop_all()
@@ -317,6 +321,12 @@ class SharedOffloadRegion:
                 break
             except FileNotFoundError:
                 continue
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise RegionError(
+                    self.path, "is a symbolic link; refusing to follow it", fix="remove the link"
+                ) from None
         else:
             raise CreatorFailedError(self.path, "the file kept vanishing between create and join")
         undo.callback(self.journal.quietly, f"close fd of {self.path.name}", self._close_fd)
@@ -530,7 +540,7 @@ class SharedOffloadRegion:
             for row in range(self.num_chunks)
         )
 
-    def _populate(self, shard: tuple[int, int] | None, progress: Progress | None) -> None:
+    def _populate(self, shard: tuple[int, int] | None, progress: Progress | None, method: str | None) -> None:
         assert self._mm is not None
         if shard is not None:
             share = _round_up(-(-self.total_bytes // shard[1]), PAGESIZE)
@@ -540,7 +550,7 @@ class SharedOffloadRegion:
             ranges = self.slot_ranges()
         else:
             ranges = [(0, self.total_bytes)]
-        use_madvise = _populate_write_supported(self._mm)
+        use_madvise = _populate_write_supported(self._mm) if method is None else method == "madvise"
         self.populated_with = "madvise" if use_madvise else "touch"
         todo = sum(end - start for start, end in ranges)
         done = 0
