@@ -1,0 +1,48 @@
+# Everything a fresh machine needs comes from here: `make test` and `make demo` create the
+# venv and install the project (and the CPU build of torch) on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# torch is an optional extra of the package; pin the CPU build that pip finds on disk here,
+# so a plain `torch` requirement never pulls a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: venv test check lint typecheck pytest demo bench completions clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[dev,torch]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: venv
+	$(BIN)/ruff check kvoffload shmctl tests bench
+	$(BIN)/ruff format --check kvoffload shmctl tests bench
+
+typecheck: venv
+	$(BIN)/mypy
+
+check: lint typecheck
+
+pytest: venv
+	$(BIN)/pytest --cov --cov-report=term-missing:skip-covered
+
+test: check pytest
+
+demo: venv
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
+
+bench: venv
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash -c 'for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done'
+
+completions: venv
+	for sh in bash zsh fish; do \
+	  _TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION=1 $(BIN)/shmctl --show-completion $$sh > completions/shmctl.$$sh; \
+	done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage .hypothesis *.egg-info
