@@ -20,7 +20,6 @@ from shmctl.render import error_line
 app = typer.Typer(
     name="shmctl",
     help="Find, explain and safely reap vLLM KV-offload regions in /dev/shm.",
-    no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -45,8 +44,11 @@ def exit_status_for(error: BaseException) -> ExitStatus:
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: run the app, map errors to exit codes, never a traceback."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        args = ["--help"]  # a bare `shmctl` is a request for help, not a usage error
     try:
-        app(args=argv, prog_name="shmctl", standalone_mode=False)
+        app(args=args, prog_name="shmctl", standalone_mode=False)
     except SystemExit as e:  # typer.Exit, --help, completion
         code = e.code
         return code if isinstance(code, int) else (0 if code is None else ExitStatus.USAGE)
@@ -66,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _click_or_crash(error: Exception) -> int:
-    from typer._click import exceptions as click_exc  # type: ignore[import-not-found,unused-ignore]
-
-    if isinstance(error, click_exc.ClickException):
-        error_line(error.format_message())
-        return ExitStatus.USAGE if isinstance(error, click_exc.UsageError) else error.exit_code
-    if isinstance(error, click_exc.Abort):
+    # typer vendors click; its public base is TyperException (usage errors carry exit_code 2).
+    if isinstance(error, typer.Abort):
         error_line("aborted")
         return ExitStatus.INTERRUPTED
+    if isinstance(error, typer.TyperException):
+        format_message = getattr(error, "format_message", None)
+        error_line(format_message() if callable(format_message) else str(error))
+        return ExitStatus.USAGE if getattr(error, "exit_code", 2) == 2 else ExitStatus.RUNTIME
     raise error
 
 

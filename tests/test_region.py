@@ -118,8 +118,8 @@ def test_race_of_processes_elects_exactly_one_creator_and_one_file(engine_id: st
         pipes.append(parent)
         procs.append(proc)
     try:
-        results = [p.recv() if p.poll(60) else None for p in pipes]
-        assert None not in results
+        assert all(p.poll(60) for p in pipes)
+        results: list[tuple[bool, tuple[int, int]]] = [p.recv() for p in pipes]
         assert sum(1 for creator, _ in results if creator) == 1
         assert len({identity for _, identity in results}) == 1
         # Every participant attached: the ledger unlinked the path while all still map it.

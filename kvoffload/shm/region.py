@@ -145,7 +145,7 @@ def _touch_pages(mm: mmap.mmap, start: int, length: int) -> None:
     """Fault pages in by rewriting one byte per page with itself (content preserved)."""
     import numpy as np
 
-    arr = np.frombuffer(mm, dtype=np.uint8)  # type: ignore[call-overload]
+    arr = np.frombuffer(mm, dtype=np.uint8)
     try:
         arr[start : start + length : PAGESIZE] |= 0
     finally:
