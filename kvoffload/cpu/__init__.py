@@ -1,1 +1,1 @@
-"""CPU offloading: the chunk-pool manager, its cache policies and (lead) the CPU spec."""
+"""CPU offloading: the CPU spec, the chunk-pool manager and its cache policies."""

@@ -83,7 +83,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
             secondaries: list[SecondaryTierManager] = []
             for index, tier_config in enumerate(self.secondary_tier_configs):
                 faults.point("secondary", index=index)
-                tier = SecondaryTierFactory.create_secondary_tier(dict(tier_config), view, self)
+                tier = SecondaryTierFactory.create_secondary_tier(dict(tier_config), view, self, index=index)
                 secondaries.append(tier)
                 kind = tier_config.get("type", "?")
                 undo.callback(

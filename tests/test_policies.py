@@ -1,0 +1,273 @@
+"""Cache policies: eviction order, the atomic-evict rule, ARC's adaptation, the factory."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload.base import OffloadKey, make_offload_key
+from kvoffload.cpu.policies import (
+    KNOWN_POLICIES,
+    ARCCachePolicy,
+    CachePolicy,
+    CachePolicyFactory,
+    ChunkStatus,
+    LRUCachePolicy,
+)
+from kvoffload.errors import ConfigError
+
+
+def key(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def filled(policy_cls: type[CachePolicy], n: int, capacity: int | None = None) -> CachePolicy:
+    """A policy holding keys 0..n-1, all ready and unpinned, inserted in that order."""
+    policy = policy_cls(capacity if capacity is not None else n)
+    for i in range(n):
+        policy.insert(key(i), ChunkStatus(i, ref_cnt=0))
+    return policy
+
+
+def evicted_keys(policy: CachePolicy, n: int, protected: frozenset[OffloadKey] = frozenset()) -> list[int]:
+    victims = policy.evict(n, protected)
+    assert victims is not None
+    return [int.from_bytes(k[:8], "big") for k, _ in victims]
+
+
+class OutOfTreePolicy(LRUCachePolicy):
+    """Loaded by name from this module in the factory tests."""
+
+
+NOT_A_POLICY = object()
+
+
+@pytest.fixture(params=[LRUCachePolicy, ARCCachePolicy], ids=["lru", "arc"])
+def policy_cls(request: pytest.FixtureRequest) -> type[CachePolicy]:
+    cls: type[CachePolicy] = request.param
+    return cls
+
+
+# ---------------------------------------------------------------- rules every policy keeps
+
+
+def test_evict_is_all_or_nothing(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 3)
+    assert policy.evict(4, frozenset()) is None
+    assert len(policy) == 3
+    assert all(policy.get(key(i)) is not None for i in range(3))
+
+
+def test_evict_skips_pending_writes_and_pinned_chunks(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 3)
+    policy.insert(key(3), ChunkStatus(3))  # write pending
+    status = policy.get(key(0))
+    assert status is not None
+    status.ref_cnt = 2  # pinned by two loads
+    assert sorted(evicted_keys(policy, 2)) == [1, 2]
+    assert policy.evict(1, frozenset()) is None
+
+
+def test_evict_never_takes_protected_keys(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 3)
+    assert evicted_keys(policy, 1, frozenset({key(0)})) == [1]
+
+
+def test_evict_returns_the_chunks_it_frees(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 2)
+    victims = policy.evict(2, frozenset())
+    assert victims is not None
+    assert sorted(chunk.chunk_id for _, chunk in victims) == [0, 1]
+    assert len(policy) == 0
+
+
+def test_get_does_not_change_eviction_order(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 3)
+    policy.get(key(0))
+    assert evicted_keys(policy, 1) == [0]
+
+
+def test_remove_forgets_a_key_and_ignores_unknown_ones(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 2)
+    policy.remove(key(0))
+    policy.remove(key(99))
+    assert policy.get(key(0)) is None
+    assert len(policy) == 1
+
+
+def test_clear_forgets_everything(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 3)
+    policy.clear()
+    assert len(policy) == 0
+    assert policy.evict(1, frozenset()) is None
+
+
+def test_touching_a_request_keeps_its_first_block_longest(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 4)
+    policy.touch([key(0), key(1), key(2), key(3)])
+    # Later blocks of a prefix are useless without the earlier ones: they go first.
+    assert evicted_keys(policy, 4) == [3, 2, 1, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "ready", "pin", "unpin", "touch", "remove", "evict"]),
+            st.integers(0, 11),
+        ),
+        max_size=60,
+    ),
+    use_arc=st.booleans(),
+)
+def test_policies_evict_only_ready_unpinned_unprotected_keys(
+    ops: list[tuple[str, int]], use_arc: bool
+) -> None:
+    capacity = 8
+    policy: CachePolicy = ARCCachePolicy(capacity) if use_arc else LRUCachePolicy(capacity)
+    model: dict[OffloadKey, ChunkStatus] = {}
+    for op, i in ops:
+        k = key(i)
+        if op == "insert" and k not in model and len(model) < capacity:
+            model[k] = ChunkStatus(i)
+            policy.insert(k, model[k])
+        elif op == "ready" and k in model and model[k].ref_cnt == -1:
+            model[k].ref_cnt = 0
+        elif op == "pin" and k in model and model[k].ref_cnt >= 0:
+            model[k].ref_cnt += 1
+        elif op == "unpin" and k in model and model[k].ref_cnt > 0:
+            model[k].ref_cnt -= 1
+        elif op == "touch":
+            policy.touch([k])
+        elif op == "remove" and k in model:
+            del model[k]
+            policy.remove(k)
+        elif op == "evict":
+            protected = frozenset({k})
+            candidates = {c for c, s in model.items() if s.ref_cnt == 0 and c not in protected}
+            n = i % 4
+            victims = policy.evict(n, protected)
+            if n > len(candidates):
+                assert victims is None
+                continue
+            assert victims is not None
+            assert len(victims) == n
+            assert {v for v, _ in victims} <= candidates
+            for v, status in victims:
+                assert model.pop(v) is status
+        assert len(policy) == len(model)
+        assert all(policy.get(c) is s for c, s in model.items())
+
+
+# ---------------------------------------------------------------- LRU
+
+
+def test_lru_evicts_the_least_recently_stored_first() -> None:
+    assert evicted_keys(filled(LRUCachePolicy, 3), 2) == [0, 1]
+
+
+def test_lru_touch_makes_a_key_most_recent() -> None:
+    policy = filled(LRUCachePolicy, 3)
+    policy.touch([key(0)])
+    assert evicted_keys(policy, 3) == [1, 2, 0]
+
+
+# ---------------------------------------------------------------- ARC
+
+
+def test_arc_puts_new_keys_in_the_recent_list() -> None:
+    policy = filled(ARCCachePolicy, 2)
+    assert isinstance(policy, ARCCachePolicy)
+    assert policy.recent_keys == [key(0), key(1)]
+    assert policy.frequent_keys == []
+
+
+def test_arc_touch_moves_a_key_to_the_frequent_list() -> None:
+    policy = filled(ARCCachePolicy, 2)
+    assert isinstance(policy, ARCCachePolicy)
+    policy.touch([key(0)])
+    assert policy.recent_keys == [key(1)]
+    assert policy.frequent_keys == [key(0)]
+
+
+def test_arc_evicts_recent_keys_before_frequent_ones_while_over_target() -> None:
+    policy = filled(ARCCachePolicy, 3)
+    policy.touch([key(0)])
+    assert evicted_keys(policy, 2) == [1, 2]
+    assert evicted_keys(policy, 1) == [0]
+
+
+def test_arc_remembers_evicted_keys_as_ghosts() -> None:
+    policy = filled(ARCCachePolicy, 3)
+    assert isinstance(policy, ARCCachePolicy)
+    policy.touch([key(2)])
+    evicted_keys(policy, 3)
+    assert policy.ghost_keys == ([key(0), key(1)], [key(2)])
+
+
+def test_arc_storing_a_recent_ghost_again_grows_the_recent_target() -> None:
+    policy = filled(ARCCachePolicy, 3)
+    assert isinstance(policy, ARCCachePolicy)
+    evicted_keys(policy, 1)
+    policy.insert(key(0), ChunkStatus(0, ref_cnt=0))
+    assert policy.target_t1_size == 1.0
+    assert key(0) in policy.frequent_keys
+
+
+def test_arc_storing_a_frequent_ghost_again_shrinks_the_recent_target() -> None:
+    policy = filled(ARCCachePolicy, 3)
+    assert isinstance(policy, ARCCachePolicy)
+    evicted_keys(policy, 1)
+    policy.insert(key(0), ChunkStatus(0, ref_cnt=0))  # target 1.0, key 0 in T2
+    evicted_keys(policy, 2)  # T1 (keys 1, 2) is over target: both go to B1
+    evicted_keys(policy, 1)  # then key 0 leaves T2 for B2
+    policy.insert(key(0), ChunkStatus(0, ref_cnt=0))
+    assert policy.target_t1_size == 0.0
+
+
+def test_arc_bounds_its_ghost_lists_by_capacity() -> None:
+    policy = filled(ARCCachePolicy, 4, capacity=4)
+    assert isinstance(policy, ARCCachePolicy)
+    for round_ in range(5):
+        evicted_keys(policy, 4)
+        for i in range(4):
+            policy.insert(key(100 * (round_ + 1) + i), ChunkStatus(i, ref_cnt=0))
+    recent_ghosts, frequent_ghosts = policy.ghost_keys
+    assert len(policy.recent_keys) + len(recent_ghosts) <= 4
+    assert len(policy) + len(recent_ghosts) + len(frequent_ghosts) <= 8
+
+
+# ---------------------------------------------------------------- factory
+
+
+def test_known_policies_are_the_factory_names() -> None:
+    assert KNOWN_POLICIES == ("lru", "arc")
+    assert CachePolicyFactory.get_cache_policy_cls("lru") is LRUCachePolicy
+    assert CachePolicyFactory.get_cache_policy_cls("arc") is ARCCachePolicy
+
+
+def test_unknown_policy_without_module_path_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown cache policy 'fifo'") as info:
+        CachePolicyFactory.get_cache_policy_cls("fifo")
+    assert info.value.key == "eviction_policy"
+    assert info.value.fix is not None
+    assert "cache_policy_module_path" in info.value.fix
+
+
+def test_out_of_tree_policy_is_imported_from_its_module_path() -> None:
+    cls = CachePolicyFactory.get_cache_policy_cls("OutOfTreePolicy", "tests.test_policies")
+    assert cls is OutOfTreePolicy
+
+
+def test_out_of_tree_module_that_cannot_be_imported_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        CachePolicyFactory.get_cache_policy_cls("Whatever", "tests.no_such_module")
+    assert info.value.key == "cache_policy_module_path"
+
+
+@pytest.mark.parametrize("name", ["NOT_A_POLICY", "MissingPolicy"])
+def test_out_of_tree_name_that_is_not_a_policy_is_a_config_error(name: str) -> None:
+    with pytest.raises(ConfigError, match="is not a CachePolicy subclass") as info:
+        CachePolicyFactory.get_cache_policy_cls(name, "tests.test_policies")
+    assert info.value.key == "eviction_policy"

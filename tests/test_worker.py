@@ -1,0 +1,439 @@
+"""CPUOffloadingWorker: bytes round-trip GPU -> region -> GPU, the block->chunk mapping, and shutdown."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvoffload import faults
+from kvoffload.base import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
+from kvoffload.errors import ConfigError, InjectedFault, KvOffloadError
+from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
+from kvoffload.worker import CPUOffloadingWorker, plan_copy_runs
+
+NUM_BLOCKS = 8
+NUM_CHUNKS = 4
+BPC = 2  # blocks per chunk
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class FakeWorkerRegion:
+    """A worker-side region in anonymous memory with the real one's view API.
+
+    ``cleanup`` records whether any tensor still used the memory: torch views do not
+    pin an mmap, so a worker that cleans the region before dropping its views would
+    leave them dangling. The fake then keeps the mapping instead of crashing the test.
+    """
+
+    def __init__(
+        self,
+        num_chunks: int,
+        cpu_page_size: int,
+        *,
+        workers: int = 1,
+        rank: int = 0,
+        log: list[str] | None = None,
+    ) -> None:
+        self.num_chunks = num_chunks
+        self.cpu_page_size = cpu_page_size
+        self.row_stride = cpu_page_size * workers
+        self.rank = rank
+        self.mm = mmap.mmap(-1, num_chunks * self.row_stride)
+        self._idle_refs = sys.getrefcount(self.mm)
+        self._base: torch.Tensor | None = torch.frombuffer(self.mm, dtype=torch.int8)
+        self._worker_offset = rank * cpu_page_size
+        self._canonical_offset = 0
+        self.calls: list[str] = []
+        self.cleanups = 0
+        self.views_alive_at_cleanup: bool | None = None
+        self.log = log if log is not None else []
+
+    def _view(self, offset: int, size: int) -> torch.Tensor:
+        assert self._base is not None
+        return torch.as_strided(self._base, (self.num_chunks, size), (self.row_stride, 1), offset)
+
+    def create_next_worker_view(self, tensor_page_size: int) -> torch.Tensor:
+        self.calls.append("worker")
+        end = (self.rank + 1) * self.cpu_page_size
+        if self._worker_offset + tensor_page_size > end:
+            raise KvOffloadError(f"Worker offset {self._worker_offset} exceeds worker area end {end}")
+        view = self._view(self._worker_offset, tensor_page_size)
+        self._worker_offset += tensor_page_size
+        return view
+
+    def create_next_canonical_view(self, tensor_page_size: int) -> torch.Tensor:
+        self.calls.append("canonical")
+        view = self._view(self._canonical_offset, tensor_page_size)
+        self._canonical_offset += tensor_page_size
+        return view
+
+    def tensors_alive(self) -> bool:
+        """Whether any tensor still uses the memory, once our own base is dropped."""
+        # torch keeps one reference to the buffer for as long as any view of it lives.
+        return sys.getrefcount(self.mm) > self._idle_refs
+
+    def drop_base(self) -> None:
+        self._base = None
+
+    def cleanup(self) -> None:
+        self.cleanups += 1
+        self.log.append("region")
+        if self.mm.closed:
+            return
+        self.drop_base()
+        self.views_alive_at_cleanup = self.tensors_alive()
+        if not self.views_alive_at_cleanup:
+            self.mm.close()
+
+    def row(self, chunk: int) -> bytes:
+        return self.mm[chunk * self.row_stride : (chunk + 1) * self.row_stride]
+
+
+def kv_caches(device: str = "cpu") -> list[torch.Tensor]:
+    """Two KV tensors of different dtypes and page sizes, filled with distinct values."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(NUM_BLOCKS, 2, 4, generator=gen).to(torch.bfloat16)  # 16-byte blocks
+    values = torch.randint(
+        -(2**31), 2**31 - 1, (NUM_BLOCKS, 12), generator=gen, dtype=torch.int32
+    )  # 48 bytes
+    return [keys.to(device), values.to(device)]
+
+
+PAGE_BYTES = 16 + 48  # one block across both tensors
+
+
+def block_bytes(tensors: list[torch.Tensor], block: int) -> list[bytes]:
+    return [t[block].cpu().contiguous().view(torch.uint8).numpy().tobytes() for t in tensors]
+
+
+@pytest.fixture
+def region() -> Iterator[FakeWorkerRegion]:
+    fake = FakeWorkerRegion(NUM_CHUNKS, PAGE_BYTES * BPC)
+    yield fake
+    fake.drop_base()
+    if not fake.mm.closed and not fake.tensors_alive():
+        fake.mm.close()
+
+
+def drain(worker: CPUOffloadingWorker) -> list[TransferResult]:
+    results = worker.get_finished()
+    assert all(r.success for r in results)
+    return results
+
+
+def round_trip(
+    worker: CPUOffloadingWorker, tensors: list[torch.Tensor], blocks: list[int], chunks: list[int]
+) -> None:
+    """Store ``blocks``, zero them on the device, load them back, and compare."""
+    before = [t.clone() for t in tensors]
+    worker.submit_store(1, GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks))
+    worker.wait({1})
+    for t in tensors:
+        t[blocks] = 0
+    worker.submit_load(2, CPULoadStoreSpec(chunks), GPULoadStoreSpec(blocks))
+    worker.wait({2})
+    assert {r.job_id for r in drain(worker)} == {1, 2}
+    for t, b in zip(tensors, before, strict=True):
+        assert torch.equal(t.cpu(), b.cpu())
+
+
+# ---------------------------------------------------------------- block -> chunk mapping
+
+
+def test_consecutive_blocks_fill_a_chunk_in_one_run() -> None:
+    assert plan_copy_runs([4, 5], [3], 2) == [(4, 3, 0, 2)]
+
+
+def test_blocks_fill_chunks_from_sub_block_zero_and_the_last_may_be_partial() -> None:
+    assert plan_copy_runs([1, 2, 3], [7, 0], 2) == [(1, 7, 0, 2), (3, 0, 0, 1)]
+
+
+def test_scattered_blocks_are_copied_one_by_one() -> None:
+    assert plan_copy_runs([6, 2], [1], 2) == [(6, 1, 0, 1), (2, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("chunks", [[0], [0, 1, 2]])
+def test_chunk_count_must_match_the_block_count(chunks: list[int]) -> None:
+    with pytest.raises(ConfigError, match="need 2 chunks") as info:
+        plan_copy_runs([0, 1, 2], chunks, 2)
+    assert info.value.key == "chunk_ids"
+
+
+# ---------------------------------------------------------------- transfers on CPU tensors
+
+
+def test_blocks_round_trip_through_the_region(region: FakeWorkerRegion) -> None:
+    tensors = kv_caches()
+    worker = CPUOffloadingWorker(tensors, BPC, NUM_CHUNKS, mmap_region=region)
+    round_trip(worker, tensors, [3, 5, 6], [2, 0])
+    worker.shutdown()
+
+
+def test_stored_block_lands_at_its_sub_block_of_the_worker_slot() -> None:
+    region = FakeWorkerRegion(NUM_CHUNKS, PAGE_BYTES * BPC, workers=2, rank=1)
+    tensors = kv_caches()
+    worker = CPUOffloadingWorker(tensors, BPC, NUM_CHUNKS, mmap_region=region)
+    worker.submit_store(1, GPULoadStoreSpec([3, 5, 6]), CPULoadStoreSpec([2, 0]))
+    drain(worker)
+    slot = region.cpu_page_size  # rank 1's slot starts after rank 0's
+    row2, row0 = region.row(2), region.row(0)
+    keys3, values3 = block_bytes(tensors, 3)
+    keys5, values5 = block_bytes(tensors, 5)
+    keys6, values6 = block_bytes(tensors, 6)
+    # Within the slot: tensor 0's view (BPC sub-blocks of 16 bytes), then tensor 1's (48 bytes each).
+    assert row2[slot : slot + 32] == keys3 + keys5
+    assert row2[slot + 32 : slot + 128] == values3 + values5
+    assert row0[slot : slot + 16] == keys6
+    assert row0[slot + 32 : slot + 80] == values6
+    assert row2[:slot] == bytes(slot)  # rank 0's slot is untouched
+    worker.shutdown()
+    assert region.mm.closed
+
+
+def test_blocks_can_be_loaded_into_other_gpu_blocks(region: FakeWorkerRegion) -> None:
+    tensors = kv_caches()
+    expected = block_bytes(tensors, 1)
+    worker = CPUOffloadingWorker(tensors, BPC, NUM_CHUNKS, mmap_region=region)
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([3]))
+    worker.submit_load(2, CPULoadStoreSpec([3]), GPULoadStoreSpec([7]), expedited=True)
+    drain(worker)
+    assert block_bytes(tensors, 7) == expected
+    worker.shutdown()
+
+
+def test_blocks_round_trip_without_a_region() -> None:
+    tensors = kv_caches()
+    worker = CPUOffloadingWorker(tensors, BPC, NUM_CHUNKS)
+    round_trip(worker, tensors, [0, 1, 2, 3, 4], [3, 2, 1])
+    worker.shutdown()
+
+
+def test_canonical_layout_takes_canonical_views(region: FakeWorkerRegion) -> None:
+    tensors = kv_caches()
+    worker = CPUOffloadingWorker(tensors, BPC, NUM_CHUNKS, mmap_region=region, canonical_layout=True)
+    assert region.calls == ["canonical", "canonical"]
+    round_trip(worker, tensors, [2, 3], [1])
+    worker.shutdown()
+
+
+def test_finished_jobs_report_size_and_time_once(region: FakeWorkerRegion) -> None:
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    worker.submit_store(7, GPULoadStoreSpec([0, 1, 2]), CPULoadStoreSpec([0, 1]))
+    [result] = worker.get_finished()
+    assert (result.job_id, result.success, result.transfer_size) == (7, True, 3 * PAGE_BYTES)
+    assert result.transfer_time is not None
+    assert result.transfer_time >= 0
+    assert worker.get_finished() == []
+    worker.shutdown()
+
+
+def test_job_id_still_unreported_cannot_be_reused(region: FakeWorkerRegion) -> None:
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    worker.submit_store(1, GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))
+    with pytest.raises(KvOffloadError, match="already in flight"):
+        worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    drain(worker)
+    worker.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]))
+    worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("blocks", "chunks", "bad_key"),
+    [([NUM_BLOCKS], [0], "block_ids"), ([0], [NUM_CHUNKS], "chunk_ids"), ([0, 1, 2], [0], "chunk_ids")],
+)
+def test_transfer_outside_the_caches_is_a_config_error(
+    region: FakeWorkerRegion, blocks: list[int], chunks: list[int], bad_key: str
+) -> None:
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    with pytest.raises(ConfigError) as info:
+        worker.submit_store(1, GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks))
+    assert info.value.key == bad_key
+    worker.shutdown()
+
+
+def test_transfer_needs_a_cpu_spec_on_the_other_side(region: FakeWorkerRegion) -> None:
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    with pytest.raises(ConfigError, match="CPULoadStoreSpec"):
+        worker.submit_load(1, GPULoadStoreSpec([0]), GPULoadStoreSpec([0]))
+    worker.shutdown()
+
+
+# ---------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize(
+    ("make", "bad_key"),
+    [
+        (lambda r: CPUOffloadingWorker(kv_caches(), 0, NUM_CHUNKS, mmap_region=r), "blocks_per_chunk"),
+        (lambda r: CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS + 1, mmap_region=r), "num_cpu_chunks"),
+        (lambda r: CPUOffloadingWorker([], BPC, NUM_CHUNKS, mmap_region=r), "kv_caches"),
+        (
+            lambda r: CPUOffloadingWorker(
+                [torch.zeros(NUM_BLOCKS, 4), torch.zeros(NUM_BLOCKS + 1, 4)], BPC, NUM_CHUNKS, mmap_region=r
+            ),
+            "kv_caches[1]",
+        ),
+        (
+            lambda r: CPUOffloadingWorker([torch.zeros(4, NUM_BLOCKS).t()], BPC, NUM_CHUNKS, mmap_region=r),
+            "kv_caches[0]",
+        ),
+        (
+            lambda r: CPUOffloadingWorker([torch.zeros(NUM_BLOCKS, 0)], BPC, NUM_CHUNKS, mmap_region=r),
+            "kv_caches[0]",
+        ),
+    ],
+    ids=["blocks_per_chunk", "chunk_count", "no_tensors", "block_counts", "non_contiguous", "empty_blocks"],
+)
+def test_bad_arguments_are_config_errors_that_leave_the_region_to_the_caller(
+    region: FakeWorkerRegion, make: object, bad_key: str
+) -> None:
+    assert callable(make)
+    with pytest.raises(ConfigError) as info:
+        make(region)
+    assert info.value.key == bad_key
+    assert region.cleanups == 0
+
+
+def test_slot_overflow_in_the_constructor_leaves_the_region_to_the_caller() -> None:
+    region = FakeWorkerRegion(NUM_CHUNKS, PAGE_BYTES)  # room for one block per chunk, not BPC
+    with pytest.raises(KvOffloadError, match="exceeds worker area end"):
+        CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    assert region.cleanups == 0
+    region.cleanup()
+
+
+# ---------------------------------------------------------------- shutdown
+
+
+def test_shutdown_drops_every_view_before_cleaning_the_region(region: FakeWorkerRegion) -> None:
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    worker.shutdown()
+    assert region.cleanups == 1
+    assert region.views_alive_at_cleanup is False
+    assert region.mm.closed
+
+
+def test_shutdown_is_idempotent(region: FakeWorkerRegion) -> None:
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    worker.shutdown()
+    worker.shutdown()
+    assert region.cleanups == 1
+
+
+def test_region_is_cleaned_even_when_stopping_transfers_fails(region: FakeWorkerRegion) -> None:
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    with faults.scenario("cleanup.worker=raise"), pytest.raises(InjectedFault, match=r"cleanup\.worker"):
+        worker.shutdown()
+    assert region.cleanups == 1
+    assert region.mm.closed
+
+
+def test_region_cleanup_failure_is_raised_and_not_retried(region: FakeWorkerRegion) -> None:
+    class FailingRegion(FakeWorkerRegion):
+        def cleanup(self) -> None:
+            super().cleanup()
+            raise OSError("unmap failed")
+
+    failing = FailingRegion(NUM_CHUNKS, PAGE_BYTES * BPC)
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=failing)
+    with pytest.raises(OSError, match="unmap failed"):
+        worker.shutdown()
+    worker.shutdown()
+    assert failing.cleanups == 1
+
+
+def test_worker_refuses_transfers_after_shutdown(region: FakeWorkerRegion) -> None:
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    worker.shutdown()
+    with pytest.raises(KvOffloadError, match="shut down"):
+        worker.submit_store(1, GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))
+
+
+def test_leaving_the_with_block_shuts_the_worker_down(region: FakeWorkerRegion) -> None:
+    with CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region):
+        pass
+    assert region.mm.closed
+
+
+# ---------------------------------------------------------------- over a real region
+
+
+def real_region(engine_id: str) -> SharedOffloadRegion:
+    return SharedOffloadRegion(engine_id, NUM_CHUNKS, 0, PAGESIZE, PAGESIZE)
+
+
+def test_blocks_round_trip_through_a_real_region(engine_id: str) -> None:
+    region = real_region(engine_id)
+    tensors = kv_caches()
+    worker = CPUOffloadingWorker(tensors, BPC, NUM_CHUNKS, mmap_region=region)
+    round_trip(worker, tensors, [7, 0, 4], [3, 1])
+    worker.shutdown()
+    assert region.closed
+    assert not region.path.exists()
+
+
+def test_real_region_is_released_when_stopping_transfers_fails(engine_id: str) -> None:
+    region = real_region(engine_id)
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    with faults.scenario("cleanup.worker=raise"), pytest.raises(InjectedFault):
+        worker.shutdown()
+    assert region.closed
+    assert not region.path.exists()
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_blocks_round_trip_through_the_region(region: FakeWorkerRegion) -> None:
+    tensors = kv_caches("cuda")
+    worker = CPUOffloadingWorker(tensors, BPC, NUM_CHUNKS, mmap_region=region)
+    assert worker.is_cuda
+    round_trip(worker, tensors, [3, 5, 6], [2, 0])
+    worker.shutdown()
+    assert region.mm.closed
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_blocks_round_trip_through_pinned_memory_without_a_region() -> None:
+    tensors = kv_caches("cuda")
+    worker = CPUOffloadingWorker(tensors, BPC, NUM_CHUNKS)
+    round_trip(worker, tensors, [0, 1, 2, 3, 4], [3, 2, 1])
+    worker.shutdown()
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_store_waits_for_kernels_queued_before_it(region: FakeWorkerRegion) -> None:
+    tensors = kv_caches("cuda")
+    worker = CPUOffloadingWorker(tensors, BPC, NUM_CHUNKS, mmap_region=region)
+    # A long kernel on the compute stream, then a write queued after it.
+    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
+    tensors[1][2] = 12345
+    worker.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([0]))
+    worker.wait({1})
+    [result] = drain(worker)
+    assert result.transfer_time is not None
+    assert result.transfer_time > 0
+    values = torch.frombuffer(bytearray(region.row(0)[32 : 32 + 48]), dtype=torch.int32)
+    assert bool((values == 12345).all())
+    worker.shutdown()
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_worker_shutdown_with_transfers_in_flight_releases_the_region(engine_id: str) -> None:
+    region = real_region(engine_id)
+    worker = CPUOffloadingWorker(kv_caches("cuda"), BPC, NUM_CHUNKS, mmap_region=region)
+    worker.submit_store(1, GPULoadStoreSpec(range(NUM_BLOCKS)), CPULoadStoreSpec(range(NUM_CHUNKS)))
+    worker.submit_load(2, CPULoadStoreSpec([0]), GPULoadStoreSpec([0, 1]), expedited=True)
+    worker.shutdown()
+    assert region.closed
+    assert not region.path.exists()
