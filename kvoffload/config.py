@@ -384,6 +384,6 @@ def _secondary_tiers(extra: Mapping[str, Any], spec_name: str) -> tuple[Mapping[
     for i, tier in enumerate(tiers):
         if not isinstance(tier, Mapping):
             raise ConfigError(f"{key}[{i}]", "must be a JSON object with a 'type'")
-        SecondaryTierFactory.get_tier_class(tier)
+        SecondaryTierFactory.get_tier_class(tier, index=i)
         checked.append(dict(tier))
     return tuple(checked)

@@ -28,14 +28,19 @@ class Journal:
     steps: list[ReleaseStep] = field(default_factory=list)
 
     def quietly(self, what: str, fn: Callable[[], object]) -> bool:
-        """Run one release step; log and record a failure instead of raising it."""
+        """Run one release step; log and record a failure instead of raising it.
+
+        The step is recorded before it runs, so steps it performs inside (a region's own
+        cleanup) follow it in the journal, in the order they happened.
+        """
+        index = len(self.steps)
+        self.steps.append(ReleaseStep(what, True, None, time.time()))
         try:
             fn()
         except Exception as e:
             log.exception("release step failed: %s", what)
-            self.steps.append(ReleaseStep(what, False, f"{type(e).__name__}: {e}", time.time()))
+            self.steps[index] = ReleaseStep(what, False, f"{type(e).__name__}: {e}", self.steps[index].at)
             return False
-        self.steps.append(ReleaseStep(what, True, None, time.time()))
         return True
 
     def record(self, what: str, error: BaseException | None = None) -> None:

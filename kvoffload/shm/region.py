@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import gc
 import logging
 import mmap
 import os
@@ -576,7 +577,9 @@ class SharedOffloadRegion:
         if self._base is None:
             import torch
 
-            self._base = torch.frombuffer(self._mm, dtype=torch.int8)
+            # Through a memoryview, so the mapping stays exported (mmap.close() refuses) while any
+            # tensor view lives: torch.frombuffer on the mmap itself takes no export.
+            self._base = torch.frombuffer(memoryview(self._mm), dtype=torch.int8)
         return self._base
 
     def create_next_worker_view(self, tensor_page_size: int) -> torch.Tensor:
@@ -661,7 +664,11 @@ class SharedOffloadRegion:
                 self.journal.record(what)
 
         name = self.path.name
-        step("cleanup.region fault point", lambda: faults.point("cleanup.region"))
+        try:
+            faults.point("cleanup.region")
+        except Exception as e:  # an injected cleanup failure: reported, and the release goes on
+            self.journal.record("cleanup.region fault point", e)
+            errors.append(e)
         step(f"unmap {name}", self._close_mapping)
         step(f"close fd of {name}", self._close_fd)
         if self.creator and not self.unlinked:
@@ -684,9 +691,15 @@ class SharedOffloadRegion:
         try:
             self._mm.close()
         except BufferError:
-            # Native code still exports the buffer: unmapping would leave it dangling.
-            log.warning("Keeping %s mapped: buffers are still exported to native users", self.path)
-            return
+            # The last views may be garbage in a reference cycle (an exception's traceback
+            # during a failed shutdown); collect it once before deciding they are really alive.
+            gc.collect()
+            try:
+                self._mm.close()
+            except BufferError:
+                # Someone still exports the buffer: unmapping would leave it dangling.
+                log.warning("Keeping %s mapped: buffers are still exported to native users", self.path)
+                return
         self._mm = None
 
     def _close_fd(self) -> None:
