@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         args = ["--help"]  # a bare `shmctl` is a request for help, not a usage error
     try:
-        app(args=args, prog_name="shmctl", standalone_mode=False)
+        # Without standalone mode, click returns typer.Exit's code instead of raising it.
+        code = app(args=args, prog_name="shmctl", standalone_mode=False)
+        if isinstance(code, int):
+            return code
     except SystemExit as e:  # typer.Exit, --help, completion
         code = e.code
         return code if isinstance(code, int) else (0 if code is None else ExitStatus.USAGE)

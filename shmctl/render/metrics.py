@@ -1,0 +1,110 @@
+"""Prometheus text exposition of a ``ScanReport`` (node_exporter textfile format)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+from kvoffload.errors import RootError
+from kvoffload.shm.scan import ScanReport, Status
+
+FILENAME = "shmctl.prom"
+
+
+class DiskUsage(NamedTuple):
+    total: int
+    used: int
+    free: int
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(report: ScanReport, usage: DiskUsage, *, scan_seconds: float) -> str:
+    root = _label(str(report.root))
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lines.append(f"{name}{{{labels}}} {value:g}" if labels else f"{name} {value:g}")
+
+    per_status = {s: [e for e in report.entries if e.status is s] for s in Status}
+    metric(
+        "shmctl_regions",
+        "gauge",
+        "Region files (base and segments) in the shm root, by verdict.",
+        [(f'root="{root}",status="{s.value}"', len(es)) for s, es in per_status.items()],
+    )
+    metric(
+        "shmctl_region_resident_bytes",
+        "gauge",
+        "Memory the region files pin (st_blocks*512), by verdict.",
+        [
+            (f'root="{root}",status="{s.value}"', sum(e.resident_bytes for e in es))
+            for s, es in per_status.items()
+        ],
+    )
+    metric(
+        "shmctl_orphan_bytes",
+        "gauge",
+        "Resident bytes of orphaned regions: what `shmctl reap` would free.",
+        [(f'root="{root}"', report.summary.orphaned_resident_bytes)],
+    )
+    metric(
+        "shmctl_unlinked_mapped_bytes",
+        "gauge",
+        "Bytes of unlinked region files still mapped by some process (freed when it exits).",
+        [(f'root="{root}"', sum(d.mapped_bytes for d in report.deleted))],
+    )
+    metric(
+        "shmctl_uninspected_processes",
+        "gauge",
+        "Processes whose fds or maps could not be read (their regions stay unknown).",
+        [(f'root="{root}"', len(report.uninspected))],
+    )
+    metric(
+        "shmctl_root_size_bytes",
+        "gauge",
+        "Size of the shm root's filesystem.",
+        [(f'root="{root}"', usage.total)],
+    )
+    metric(
+        "shmctl_root_free_bytes",
+        "gauge",
+        "Free bytes in the shm root's filesystem.",
+        [(f'root="{root}"', usage.free)],
+    )
+    metric("shmctl_scan_duration_seconds", "gauge", "How long the scan took.", [("", scan_seconds)])
+    metric(
+        "shmctl_last_run_timestamp_seconds",
+        "gauge",
+        "When the scan ran (unix time).",
+        [("", report.scanned_at)],
+    )
+    return "\n".join(lines) + "\n"
+
+
+def print_text(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def write_textfile(directory: Path, text: str) -> None:
+    """Write ``directory/shmctl.prom`` atomically: node_exporter never reads half a file."""
+    if not directory.is_dir():
+        raise RootError(directory, "is not a directory", fix="create the textfile collector directory first")
+    fd, tmp = tempfile.mkstemp(prefix=".shmctl.prom.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, directory / FILENAME)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
