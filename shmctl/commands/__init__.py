@@ -6,7 +6,7 @@ import typer
 
 
 def register_all(app: typer.Typer) -> None:
-    from shmctl.commands import faults_cmd
+    from shmctl.commands import audit, faults_cmd, init, metrics, reap, scan
 
-    for module in (faults_cmd,):
+    for module in (scan, reap, init, faults_cmd, audit, metrics):
         module.register(app)

@@ -6,7 +6,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Protocol
 
 from kvoffload.errors import RootError
 from kvoffload.shm.scan import ScanReport, Status
@@ -14,10 +14,14 @@ from kvoffload.shm.scan import ScanReport, Status
 FILENAME = "shmctl.prom"
 
 
-class DiskUsage(NamedTuple):
-    total: int
-    used: int
-    free: int
+class DiskUsage(Protocol):
+    """What ``shutil.disk_usage`` returns."""
+
+    @property
+    def total(self) -> int: ...
+
+    @property
+    def free(self) -> int: ...
 
 
 def _label(value: str) -> str:
