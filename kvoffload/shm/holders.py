@@ -1,0 +1,455 @@
+"""Who holds a file: kernel evidence from one pass over ``/proc``.
+
+POSIX shared memory has no attach count; the only ground truth is what each process
+has open and mapped. For every process this module reads:
+
+* ``/proc/PID/fd/*``: ``stat`` through the magic link gives the open file's
+  ``(st_dev, st_ino)`` (via ``fd``);
+* ``/proc/PID/maps``: each file mapping's ``MAJ:MIN`` (hex) and inode (via ``map``).
+  Maps alone catch a process that mapped the file and closed its fd, which is how
+  vLLM holds its segment files ``.mmap.N`` and how C code usually maps;
+* ``/proc/locks``, once: flock/POSIX/OFD locks with the locking pid (via ``lock``).
+
+Files are matched by ``(st_dev, st_ino)``, never by path: a name can be reused by a new
+engine and an unlinked file shows as ``path (deleted)``. (On tmpfs the device in maps is
+the one ``stat`` reports; on overlay or btrfs it may not be, which is why the shm root,
+a tmpfs, is what we scan.)
+
+Invariants:
+
+* fds are read before maps for each process, so a process that opens, maps and then
+  closes its fd is seen in every state it can be in;
+* a process we cannot read (EACCES, EPERM, any error other than "it exited") is an
+  ``Uninspected`` entry, never silently skipped: callers must treat it as a possible
+  holder (fail-closed). Processes that exit mid-pass are not failures, and zombies hold
+  nothing (they dropped their fds and mappings when they died);
+* nothing here opens, locks or maps the files being judged.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvoffload.shm import names, procfs
+
+#: ``CAP_DAC_OVERRIDE`` (1) and ``CAP_DAC_READ_SEARCH`` (2): either lets a process open a
+#: file whose mode bits would refuse it.
+_DAC_CAPS = (1 << 1) | (1 << 2)
+_DELETED = " (deleted)"
+_VANISHED = (errno.ENOENT, errno.ESRCH)
+
+FileKey = tuple[int, int]  # (st_dev, st_ino)
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A process that keeps a file alive, and how: ``via`` ⊆ (``fd``, ``map``, ``lock``)."""
+
+    pid: int
+    name: str
+    via: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Uninspected:
+    """A process whose fds or maps could not be read, so it may hold anything it can open.
+
+    ``uids`` are its real, effective, saved and filesystem uids from ``/proc/PID/status``
+    (empty when even that was unreadable); ``dac_override`` says whether it has a
+    capability that ignores file modes (None: unknown).
+    """
+
+    pid: int
+    name: str
+    error: str
+    what: str
+    uids: tuple[int, ...] = ()
+    dac_override: bool | None = None
+
+    def could_open(self, st_uid: int, st_mode: int) -> bool:
+        """Could this process have opened a file with this owner and mode itself?
+
+        An fd can also be handed over (SCM_RIGHTS, fork then setuid) to a process that
+        could never open the file; vLLM does neither with its regions, so a process
+        without the owner's uid or a DAC capability is not counted against a file whose
+        mode shuts others out. This is the one place liveness is not strictly fail-closed.
+        """
+        if not self.uids or self.dac_override is not False:
+            return True
+        if st_mode & 0o066:
+            return True
+        return st_uid in self.uids
+
+    def describe(self) -> str:
+        return f"pid {self.pid} ({self.name}: {self.error} on {self.what})"
+
+
+@dataclass(frozen=True, slots=True)
+class DeletedMapping:
+    """A region file that was unlinked but is still mapped or open: memory nobody can reap.
+
+    ``mapped_bytes`` sums the process's mappings of it; the sizes come from an open fd
+    and are None when the process only maps it.
+    """
+
+    pid: int
+    name: str
+    path: str
+    engine_id: str
+    segment: int
+    dev: int
+    ino: int
+    mapped_bytes: int
+    via: tuple[str, ...]
+    size_bytes: int | None = None
+    resident_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HolderIndex:
+    """The result of one pass: holders per ``(st_dev, st_ino)``, deleted regions, blind spots."""
+
+    holders: Mapping[FileKey, tuple[Holder, ...]]
+    deleted: tuple[DeletedMapping, ...]
+    uninspected: tuple[Uninspected, ...]
+    #: Locks whose owner is not visible from here (another PID namespace, or an OFD lock).
+    anonymous_locks: frozenset[FileKey]
+    processes: int
+
+    def holders_of(self, dev: int, ino: int) -> tuple[Holder, ...]:
+        return self.holders.get((dev, ino), ())
+
+    def blind_spots(
+        self, st_uid: int, st_mode: int, *, assume_not_holding: Collection[int] = ()
+    ) -> tuple[Uninspected, ...]:
+        """Uninspected processes that could hold a file of this owner and mode."""
+        return tuple(
+            u for u in self.uninspected if u.pid not in assume_not_holding and u.could_open(st_uid, st_mode)
+        )
+
+
+@dataclass(slots=True)
+class _DeletedSeen:
+    path: str
+    via: set[str] = field(default_factory=set)
+    mapped_bytes: int = 0
+    size_bytes: int | None = None
+    resident_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class _Seen:
+    """Mutable accumulator for one pass."""
+
+    via: dict[FileKey, dict[int, set[str]]] = field(default_factory=dict)
+    comm: dict[int, str] = field(default_factory=dict)
+    deleted: dict[tuple[int, FileKey], _DeletedSeen] = field(default_factory=dict)
+    uninspected: list[Uninspected] = field(default_factory=list)
+
+    def add(self, key: FileKey, pid: int, via: str) -> None:
+        self.via.setdefault(key, {}).setdefault(pid, set()).add(via)
+
+
+def parse_dev(text: str) -> int:
+    """``MAJ:MIN`` in hex, as ``/proc/PID/maps`` and ``/proc/locks`` print it, to ``st_dev``."""
+    major, _, minor = text.partition(":")
+    return os.makedev(int(major, 16), int(minor, 16))
+
+
+def parse_maps(
+    text: str,
+    wanted: Callable[[FileKey], bool] | None = None,
+) -> tuple[set[FileKey], dict[FileKey, tuple[str, int]]]:
+    """File mappings in a maps text: the wanted keys, and deleted region files with bytes mapped.
+
+    Each line is ``start-end perms offset MAJ:MIN inode [path]``; inode 0 is anonymous.
+    """
+    keys: set[FileKey] = set()
+    deleted: dict[FileKey, tuple[str, int]] = {}
+    dev_cache: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 5 or parts[4] == "0":
+            continue
+        dev_text = parts[3]
+        dev = dev_cache.get(dev_text)
+        if dev is None:
+            try:
+                dev = dev_cache[dev_text] = parse_dev(dev_text)
+            except ValueError:
+                continue
+        key = (dev, int(parts[4]))
+        if wanted is None or wanted(key):
+            keys.add(key)
+        if len(parts) == 6 and parts[5].endswith(_DELETED) and names.PREFIX in parts[5]:
+            start, _, end = parts[0].partition("-")
+            path, size = deleted.get(key, (parts[5][: -len(_DELETED)], 0))
+            deleted[key] = (path, size + int(end, 16) - int(start, 16))
+    return keys, deleted
+
+
+def parse_locks(text: str) -> list[tuple[int, FileKey]]:
+    """``(pid, (dev, ino))`` of every granted lock in ``/proc/locks`` (waiters, ``->``, skipped).
+
+    Line shape: ``1: FLOCK  ADVISORY  WRITE 1234 00:1b:5678 0 EOF``. The pid is 0 when the
+    owner is not visible from our PID namespace and -1 for OFD locks.
+    """
+    found = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 6 or parts[1] == "->":
+            continue
+        try:
+            pid = int(parts[4])
+            major, minor, ino = parts[5].split(":")
+            found.append((pid, (os.makedev(int(major, 16), int(minor, 16)), int(ino))))
+        except ValueError:
+            continue
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class _Filter:
+    devices: frozenset[int] | None
+    inodes: frozenset[FileKey] | None
+
+    def accepts(self, key: FileKey) -> bool:
+        if self.inodes is not None:
+            return key in self.inodes
+        return self.devices is None or key[0] in self.devices
+
+
+def collect_holders(
+    proc_root: Path = procfs.PROC_ROOT,
+    *,
+    devices: Iterable[int] | None = None,
+    inodes: Iterable[FileKey] | None = None,
+    ignore_fds: Mapping[int, Collection[int]] | None = None,
+    deleted: bool = True,
+    locks: bool = True,
+) -> HolderIndex:
+    """One pass over every process in ``proc_root``.
+
+    ``devices``/``inodes`` restrict the index to files on those devices or to exactly those
+    files (the pass still reads every process). ``ignore_fds`` maps a pid to fd numbers
+    that do not count, such as the reaper's own ``LOCK_EX`` fds; that pid's entries in
+    ``/proc/locks`` do not count either. ``deleted=False`` skips the
+    list of mapped-but-deleted regions; ``locks=False`` skips ``/proc/locks`` (slow to
+    read on some kernels, and pointless to a caller that holds LOCK_EX on every file).
+    """
+    wanted = _Filter(
+        None if devices is None else frozenset(devices),
+        None if inodes is None else frozenset(inodes),
+    )
+    ignored = {pid: frozenset(fds) for pid, fds in (ignore_fds or {}).items()}
+    seen = _Seen()
+    try:
+        pids = procfs.list_pids(proc_root)
+    except OSError as e:
+        seen.uninspected.append(
+            Uninspected(0, "every process", errno.errorcode.get(e.errno or 0, str(e)), str(proc_root))
+        )
+        pids = []
+    inspected = 0
+    for pid in pids:
+        if _inspect(proc_root, pid, wanted, ignored.get(pid, frozenset()), seen, deleted):
+            inspected += 1
+    # /proc/locks does not say through which fd a lock was taken. The caller's flock on
+    # these inodes goes through its ignored fds; any other lock that pid holds on them
+    # needs another open fd (flock LOCK_EX excludes every other flock, and a POSIX lock
+    # dies with the process's last fd), and that fd is seen above.
+    anonymous = _read_locks(proc_root, wanted, seen, frozenset(ignored)) if locks else set()
+    hidden = _hidden_processes(proc_root)
+    if hidden is not None:
+        seen.uninspected.append(hidden)
+    holders = {
+        key: tuple(
+            Holder(pid, seen.comm.get(pid, "?"), tuple(v for v in ("fd", "map", "lock") if v in via))
+            for pid, via in sorted(by_pid.items())
+        )
+        for key, by_pid in seen.via.items()
+    }
+    return HolderIndex(
+        holders=holders,
+        deleted=tuple(_deleted_mappings(seen)),
+        uninspected=tuple(seen.uninspected),
+        anonymous_locks=frozenset(anonymous),
+        processes=inspected,
+    )
+
+
+def _inspect(
+    proc_root: Path,
+    pid: int,
+    wanted: _Filter,
+    ignored_fds: frozenset[int],
+    seen: _Seen,
+    want_deleted: bool,
+) -> bool:
+    """Record one process; False if it exited, is a zombie or could not be read."""
+    try:
+        st = procfs.read_stat(pid, proc_root)
+    except OSError as e:
+        if e.errno in _VANISHED:
+            return False
+        seen.uninspected.append(_uninspected(proc_root, pid, "?", e, "stat"))
+        return False
+    except (ValueError, IndexError):
+        seen.uninspected.append(Uninspected(pid, "?", "unparsable", "stat"))
+        return False
+    if st.is_zombie:
+        return False
+    seen.comm[pid] = st.comm
+    base = f"{proc_root}/{pid}"
+    fd_dir = f"{base}/fd"
+    # fds first, then maps: open -> mmap -> close is visible in every state (module docstring).
+    try:
+        fd_names = os.listdir(fd_dir)
+    except OSError as e:
+        if e.errno in _VANISHED:
+            return False
+        seen.uninspected.append(_uninspected(proc_root, pid, st.comm, e, "fd"))
+        return False
+    for fd_name in fd_names:
+        if fd_name.isdigit() and int(fd_name) in ignored_fds:
+            continue
+        fd_path = f"{fd_dir}/{fd_name}"
+        try:
+            fst = os.stat(fd_path)
+        except OSError as e:
+            if e.errno in _VANISHED:
+                continue  # closed meanwhile
+            seen.uninspected.append(_uninspected(proc_root, pid, st.comm, e, f"fd {fd_name}"))
+            return False
+        key = (fst.st_dev, fst.st_ino)
+        if wanted.accepts(key):
+            seen.add(key, pid, "fd")
+        if want_deleted and fst.st_nlink == 0 and stat.S_ISREG(fst.st_mode):
+            _note_deleted_fd(seen, pid, fd_path, key, fst)
+    try:
+        with open(f"{base}/maps", encoding="utf-8", errors="surrogateescape") as f:
+            text = f.read()
+    except OSError as e:
+        if e.errno in _VANISHED:
+            return False
+        seen.uninspected.append(_uninspected(proc_root, pid, st.comm, e, "maps"))
+        return False
+    keys, deleted = parse_maps(text, wanted.accepts)
+    for key in keys:
+        seen.add(key, pid, "map")
+    if want_deleted:
+        for key, (path, size) in deleted.items():
+            record = seen.deleted.setdefault((pid, key), _DeletedSeen(path))
+            record.mapped_bytes = size
+            record.via.add("map")
+    return True
+
+
+def _note_deleted_fd(seen: _Seen, pid: int, fd_path: str, key: FileKey, fst: os.stat_result) -> None:
+    try:
+        target = os.readlink(fd_path)
+    except OSError:
+        return
+    path = target[: -len(_DELETED)] if target.endswith(_DELETED) else target
+    if names.parse(os.path.basename(path)) is None:
+        return
+    record = seen.deleted.setdefault((pid, key), _DeletedSeen(path))
+    record.via.add("fd")
+    record.size_bytes = fst.st_size
+    record.resident_bytes = fst.st_blocks * 512
+
+
+def _deleted_mappings(seen: _Seen) -> Iterable[DeletedMapping]:
+    for (pid, (dev, ino)), record in sorted(seen.deleted.items(), key=lambda item: item[0]):
+        region = names.parse(os.path.basename(record.path))
+        if region is None:
+            continue
+        yield DeletedMapping(
+            pid=pid,
+            name=seen.comm.get(pid, "?"),
+            path=record.path,
+            engine_id=region.engine_id,
+            segment=region.segment,
+            dev=dev,
+            ino=ino,
+            mapped_bytes=record.mapped_bytes,
+            via=tuple(v for v in ("fd", "map") if v in record.via),
+            size_bytes=record.size_bytes,
+            resident_bytes=record.resident_bytes,
+        )
+
+
+def _read_locks(proc_root: Path, wanted: _Filter, seen: _Seen, ignored_pids: frozenset[int]) -> set[FileKey]:
+    """Add lock holders to ``seen``; return the keys locked by processes we cannot see."""
+    try:
+        text = (proc_root / "locks").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return set()  # the LOCK_EX probe, not this table, is what proves a lock is held
+    anonymous: set[FileKey] = set()
+    for pid, key in parse_locks(text):
+        if not wanted.accepts(key) or pid in ignored_pids:
+            continue
+        if pid > 0 and pid in seen.comm:
+            seen.add(key, pid, "lock")
+        else:
+            anonymous.add(key)
+    return anonymous
+
+
+def _uninspected(proc_root: Path, pid: int, comm: str, error: OSError, what: str) -> Uninspected:
+    uids, dac = _credentials(proc_root, pid)
+    code = errno.errorcode.get(error.errno or 0, error.strerror or str(error))
+    return Uninspected(pid, comm, code, what, uids, dac)
+
+
+def _credentials(proc_root: Path, pid: int) -> tuple[tuple[int, ...], bool | None]:
+    """Uids and whether the process can bypass file modes, from ``/proc/PID/status``."""
+    try:
+        text = (proc_root / str(pid) / "status").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return (), None
+    uids: tuple[int, ...] = ()
+    caps = 0
+    seen_caps = False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        try:
+            if key == "Uid":
+                uids = tuple(int(v) for v in value.split())
+            elif key in ("CapEff", "CapPrm"):
+                caps |= int(value.strip(), 16)
+                seen_caps = True
+        except ValueError:
+            return (), None
+    return uids, (bool(caps & _DAC_CAPS) if seen_caps else None)
+
+
+def _hidden_processes(proc_root: Path) -> Uninspected | None:
+    """A blind spot for the whole pass when ``hidepid`` hides other users' processes from us.
+
+    With ``hidepid`` the kernel omits those processes from the listing instead of
+    refusing access, so no per-process error would ever tell us they exist.
+    """
+    if os.geteuid() == 0:
+        return None
+    try:
+        with open(proc_root / "self" / "mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    target = str(proc_root)
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 5 or fields[4] != target or " - proc " not in line:
+            continue
+        options = line.rsplit(" ", 1)[-1].split(",")
+        for option in options:
+            key, _, value = option.partition("=")
+            if key == "hidepid" and value not in ("0", "off"):
+                return Uninspected(0, "hidden processes", "hidepid", f"{target} mount ({option})")
+    return None

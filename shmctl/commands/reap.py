@@ -1,0 +1,93 @@
+"""``shmctl reap``: remove orphaned region files, after proving each one dead again.
+
+Exit status: 0 done (also when some items were kept, and for --dry-run), 2 usage
+(including no terminal to confirm on and no --yes), 3 the root cannot be read, 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from shmctl.commands.scan import (
+    DEFAULT_ROOT,
+    AllUsersOption,
+    AssumeOption,
+    GraceOption,
+    JsonOption,
+    RootOption,
+)
+
+
+def reap(
+    root: RootOption = DEFAULT_ROOT,
+    grace: GraceOption = "30s",
+    json_output: JsonOption = False,
+    all_users: AllUsersOption = False,
+    assume_not_holding: AssumeOption = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", "-n", help="Show what would be removed; remove nothing.")
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    engine: Annotated[
+        str | None, typer.Option("--engine", metavar="ID", help="Only this engine id's region.")
+    ] = None,
+    pid: Annotated[
+        int | None,
+        typer.Option("--pid", metavar="PID", help="Only regions whose recorded owner is this dead pid."),
+    ] = None,
+    older_than: Annotated[
+        str | None,
+        typer.Option(
+            "--older-than",
+            metavar="DURATION",
+            help="Only orphans unchanged for this long (an extra filter, never evidence of death).",
+        ),
+    ] = None,
+) -> None:
+    """Remove orphaned region files (and their segments); live, unknown and starting ones stay."""
+    import functools
+    import sys
+
+    from kvoffload.durations import parse_duration
+    from kvoffload.errors import ConfigError
+    from kvoffload.shm import reap as library
+    from shmctl.exit import ExitStatus
+    from shmctl.render import scan as render
+
+    if not (dry_run or yes or sys.stdin.isatty()):
+        raise ConfigError(
+            "--yes",
+            "refusing to remove files without confirmation: stdin is not a terminal",
+            fix="pass --yes to confirm, or --dry-run to preview",
+        )
+    run = functools.partial(
+        library.reap,
+        root,
+        grace_s=parse_duration(grace, option="--grace"),
+        filters=library.ReapFilter(
+            engine_id=engine,
+            owner_pid=pid,
+            older_than_s=None if older_than is None else parse_duration(older_than, option="--older-than"),
+        ),
+        all_users=all_users,
+        assume_not_holding=frozenset(assume_not_holding or ()),
+    )
+    plan = run(dry_run=True)
+    if dry_run or not plan.removed:
+        render.reap_report(plan, json_output=json_output)
+        raise typer.Exit(ExitStatus.OK)
+    if not yes:
+        render.reap_preview(plan)
+        if not typer.confirm(render.confirm_question(plan), default=False, err=True):
+            render.reap_declined()
+            raise typer.Exit(ExitStatus.OK)
+    # Only what the plan listed (and was confirmed) can go; each item is proven dead again.
+    done = run(only=plan)
+    render.reap_report(done, json_output=json_output)
+    raise typer.Exit(ExitStatus.OK)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("reap")(reap)

@@ -1,0 +1,85 @@
+"""``shmctl scan``: which region files are live, orphaned, starting, unknown or skipped.
+
+Exit status: 0 nothing orphaned, 1 orphans found, 2 usage, 3 the root cannot be read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+RootOption = Annotated[
+    Path,
+    typer.Option(
+        "--root",
+        envvar="SHMCTL_ROOT",
+        metavar="PATH",
+        help="Directory holding the region files.",
+        show_default=True,
+    ),
+]
+GraceOption = Annotated[
+    str,
+    typer.Option(
+        "--grace",
+        metavar="DURATION",
+        help="Files changed more recently than this are 'starting', never orphaned (30s, 5m, 1h30m).",
+    ),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
+AllUsersOption = Annotated[
+    bool, typer.Option("--all-users", help="Also judge other users' files (root only).")
+]
+AssumeOption = Annotated[
+    list[int] | None,
+    typer.Option(
+        "--assume-not-holding",
+        metavar="PID",
+        help=(
+            "Vouch that PID maps no region although it cannot be inspected "
+            "(a container's init, say). Repeatable. Without it such a process keeps files unknown."
+        ),
+    ),
+]
+
+DEFAULT_ROOT = Path("/dev/shm")
+
+
+def scan(
+    root: RootOption = DEFAULT_ROOT,
+    grace: GraceOption = "30s",
+    json_output: JsonOption = False,
+    all_users: AllUsersOption = False,
+    assume_not_holding: AssumeOption = None,
+    deleted: Annotated[
+        bool,
+        typer.Option("--deleted", help="Also list unlinked regions still mapped or open, per process."),
+    ] = False,
+    limit: Annotated[
+        int,
+        typer.Option(
+            "--limit", min=0, metavar="N", help="Regions shown in the table (0: all). JSON is never cut."
+        ),
+    ] = 50,
+) -> None:
+    """Tell live region files from orphans by kernel evidence (holders, locks), never by age."""
+    from kvoffload.durations import parse_duration
+    from kvoffload.shm.scan import Status
+    from kvoffload.shm.scan import scan as run_scan
+    from shmctl.exit import ExitStatus
+    from shmctl.render import scan as render
+
+    report = run_scan(
+        root,
+        grace_s=parse_duration(grace, option="--grace"),
+        all_users=all_users,
+        assume_not_holding=frozenset(assume_not_holding or ()),
+    )
+    render.scan_report(report, json_output=json_output, show_deleted=deleted, limit=limit)
+    raise typer.Exit(ExitStatus.FINDINGS if report.with_status(Status.ORPHANED) else ExitStatus.OK)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("scan")(scan)

@@ -1,0 +1,284 @@
+"""``reap`` removes orphans and nothing else, even when the directory changes under it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvoffload.errors import ConfigError
+from kvoffload.shm import owner
+from kvoffload.shm.reap import ReapFilter, ReapReport, reap
+from kvoffload.shm.scan import ScanEntry, Status
+from tests.procs import (
+    Child,
+    churn,
+    leave_orphan,
+    region_path,
+    shm_dir,
+    uninspectable_pids,
+    write_file,
+)
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    with shm_dir() as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def vouched() -> frozenset[int]:
+    return uninspectable_pids()
+
+
+EVERYTHING = ReapFilter()
+
+
+def reap_now(
+    root: Path,
+    vouched: frozenset[int],
+    *,
+    filters: ReapFilter = EVERYTHING,
+    dry_run: bool = False,
+    all_users: bool = False,
+    now: float | None = None,
+    only: ReapReport | None = None,
+) -> ReapReport:
+    return reap(
+        root,
+        grace_s=0,
+        assume_not_holding=vouched,
+        filters=filters,
+        dry_run=dry_run,
+        all_users=all_users,
+        now=now,
+        only=only,
+    )
+
+
+def names(entries: Iterable[ScanEntry]) -> list[str]:
+    return sorted(e.name for e in entries)
+
+
+def test_the_orphan_of_a_sigkilled_holder_is_reaped_and_its_memory_counted(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    path = leave_orphan(root, engine_id)
+    resident = os.stat(path).st_blocks * 512
+    report = reap_now(root, vouched)
+    assert names(report.removed) == [path.name]
+    assert (report.kept, report.freed_bytes, report.dry_run) == ((), resident, False)
+    assert resident > 0
+    assert not path.exists()
+
+
+def test_a_file_with_a_live_holder_is_never_reaped(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    path = region_path(root, engine_id)
+    with Child("vllm", path):
+        report = reap_now(root, vouched)
+        assert (report.removed, report.kept) == ((), ())
+        assert report.summary.live == 1
+        assert path.exists()
+    path.unlink()
+
+
+def test_a_live_holder_keeps_its_file_even_with_a_dead_owners_pid_on_record(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    held = region_path(root, engine_id)
+    ghost = write_file(region_path(root, engine_id + "-ghost"))
+    with Child("vllm", held) as child:
+        real = owner.OwnerRecord.for_current_process(engine_id)
+        dead_owner = owner.OwnerRecord(**{**real.to_json(), "pid": child.pid, "start_ticks": 1})
+        for path in (held, ghost):
+            fd = os.open(path, os.O_RDONLY)
+            owner.write_owner(fd, dead_owner)
+            os.close(fd)
+        report = reap_now(root, vouched, filters=ReapFilter(owner_pid=child.pid))
+        assert names(report.removed) == [ghost.name]
+        assert held.exists()
+    held.unlink()
+
+
+def test_filters_select_by_engine_and_dead_owner_pid(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    mine = leave_orphan(root, engine_id, mode="region")
+    other = leave_orphan(root, engine_id + "-other")
+    record = owner.read_owner(mine)
+    assert record is not None
+    assert names(reap_now(root, vouched, dry_run=True, filters=ReapFilter(owner_pid=record.pid)).removed) == [
+        mine.name
+    ]
+    assert names(reap_now(root, vouched, filters=ReapFilter(engine_id=engine_id + "-other")).removed) == [
+        other.name
+    ]
+    assert mine.exists()
+    assert names(reap_now(root, vouched, filters=ReapFilter(engine_id=engine_id)).removed) == [mine.name]
+
+
+def test_older_than_is_an_extra_filter_after_liveness(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    path = leave_orphan(root, engine_id)
+    assert reap_now(root, vouched, filters=ReapFilter(older_than_s=3600)).removed == ()
+    later = time.time() + 7200
+    assert names(reap_now(root, vouched, filters=ReapFilter(older_than_s=3600), now=later).removed) == [
+        path.name
+    ]
+    with pytest.raises(ConfigError):
+        ReapFilter(older_than_s=-1)
+
+
+def test_dry_run_removes_nothing_and_reports_what_would_go(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    path = leave_orphan(root, engine_id)
+    report = reap_now(root, vouched, dry_run=True)
+    assert report.dry_run
+    assert names(report.removed) == [path.name]
+    assert report.freed_bytes == os.stat(path).st_blocks * 512
+    assert path.exists()
+    reap_now(root, vouched)
+
+
+def test_segments_go_with_their_base(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+    files = [write_file(region_path(root, engine_id, segment)) for segment in (0, 1, 2)]
+    report = reap_now(root, vouched)
+    assert names(report.removed) == sorted(p.name for p in files)
+    assert [e.segment for e in report.removed] == [1, 2, 0]  # base last
+    assert os.listdir(root) == []
+
+
+def test_a_region_with_a_held_segment_is_not_reaped(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    base = write_file(region_path(root, engine_id))
+    segment = write_file(region_path(root, engine_id, 1))
+    with Child("map-only", segment):
+        assert reap_now(root, vouched).removed == ()
+    assert base.exists()
+    assert segment.exists()
+    reap_now(root, vouched)
+
+
+@pytest.fixture
+def victim() -> Iterator[Path]:
+    with shm_dir() as elsewhere:
+        yield write_file(elsewhere / "victim")
+
+
+def test_a_symlink_to_a_victim_is_left_alone_and_the_victim_survives(
+    root: Path, engine_id: str, vouched: frozenset[int], victim: Path
+) -> None:
+    link = region_path(root, engine_id)
+    link.symlink_to(victim)
+    assert reap_now(root, vouched).removed == ()
+    assert link.is_symlink()
+    assert victim.read_bytes()[:1] == b"x"
+
+
+def test_a_hard_link_a_fifo_and_a_directory_with_region_names_are_left_alone(
+    root: Path, engine_id: str, vouched: frozenset[int], victim: Path
+) -> None:
+    os.link(victim, region_path(root, engine_id + "-hard"))
+    os.mkfifo(region_path(root, engine_id + "-fifo"))
+    os.mkdir(region_path(root, engine_id + "-dir"))
+    report = reap_now(root, vouched)
+    assert report.removed == ()
+    assert report.summary.skipped == 3
+    assert len(os.listdir(root)) == 3
+    assert os.stat(victim).st_nlink == 2
+
+
+@pytest.mark.root
+def test_another_users_file_is_reaped_only_with_all_users(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown a file to uid 65534")
+    path = write_file(region_path(root, engine_id))
+    os.chown(path, 65534, 65534)
+    assert reap_now(root, vouched).removed == ()
+    assert path.exists()
+    assert names(reap_now(root, vouched, all_users=True).removed) == [path.name]
+
+
+def test_an_unknown_file_is_never_reaped(root: Path, engine_id: str, tmp_path: Path) -> None:
+    path = write_file(region_path(root, engine_id))
+    proc = tmp_path / "proc" / "4242"
+    (proc / "fd").mkdir(parents=True)
+    (proc / "stat").write_text("4242 (blind) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n")
+    (proc / "maps").mkdir()  # unreadable, and no status: it could hold anything
+    report = reap(root, grace_s=0, proc_root=tmp_path / "proc")
+    assert (report.removed, report.summary.unknown) == ((), 1)
+    assert path.exists()
+    path.unlink()
+
+
+def test_a_name_reused_after_the_plan_is_kept(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+    path = leave_orphan(root, engine_id)
+    plan = reap_now(root, vouched, dry_run=True)
+    path.unlink()
+    write_file(path)  # a new engine with the same pinned engine_id, same name, new inode
+    report = reap_now(root, vouched, only=plan)
+    assert report.removed == ()
+    assert [(e.name, e.status, e.reason) for e in report.kept] == [
+        (path.name, Status.UNKNOWN, "the name now refers to another file")
+    ]
+    assert path.exists()
+    path.unlink()
+
+
+def test_a_holder_that_attaches_after_the_plan_keeps_the_file(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    path = leave_orphan(root, engine_id)
+    plan = reap_now(root, vouched, dry_run=True)
+    assert names(plan.removed) == [path.name]
+    with Child("map-only", path):
+        report = reap_now(root, vouched, only=plan)
+    assert report.removed == ()
+    assert [(e.status, e.reason.split(":")[0]) for e in report.kept] == [
+        (Status.LIVE, "held by 1 process(es)")
+    ]
+    assert path.exists()
+    reap_now(root, vouched)
+
+
+def test_only_what_the_plan_listed_is_removed(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+    first = leave_orphan(root, engine_id)
+    plan = reap_now(root, vouched, dry_run=True)
+    second = leave_orphan(root, engine_id + "-later")
+    assert names(reap_now(root, vouched, only=plan).removed) == [first.name]
+    assert second.exists()
+    reap_now(root, vouched)
+
+
+def test_a_reaper_looping_against_a_process_that_creates_and_attaches_never_removes_a_live_region(
+    root: Path, vouched: frozenset[int]
+) -> None:
+    creator = churn(root, seconds=2.0)
+    removed = 0
+    try:
+        while creator.poll() is None:
+            removed += len(reap_now(root, vouched).removed)
+        out, err = creator.communicate(timeout=30)
+    finally:
+        if creator.poll() is None:
+            creator.kill()
+            creator.communicate()
+    assert creator.returncode == 0, err
+    result = json.loads(out)
+    assert result["violations"] == []
+    assert result["iterations"] > 10
+    removed += len(reap_now(root, vouched).removed)  # the creator is gone: all that is left is orphaned
+    assert removed == result["orphans"]
+    assert os.listdir(root) == []

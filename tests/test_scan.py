@@ -1,0 +1,456 @@
+"""Verdicts of ``scan`` on real processes and a real tmpfs (plus fake /proc trees for blind spots)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvoffload.errors import ConfigError, RootError
+from kvoffload.shm import owner
+from kvoffload.shm.scan import ScanEntry, ScanReport, Status, scan
+from tests.procs import (
+    REPO,
+    Child,
+    leave_orphan,
+    region_path,
+    shm_dir,
+    uninspectable_pids,
+    write_file,
+)
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    with shm_dir() as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def vouched() -> frozenset[int]:
+    """Processes outside the test's control that cannot be inspected (see procs.uninspectable_pids)."""
+    return uninspectable_pids()
+
+
+def entry(report: ScanReport, name: str) -> ScanEntry:
+    found = [e for e in report.entries if e.name == name]
+    assert len(found) == 1, [e.name for e in report.entries]
+    return found[0]
+
+
+def judge(root: Path, vouched: frozenset[int], *, all_users: bool = False) -> ScanReport:
+    return scan(root, grace_s=0, assume_not_holding=vouched, all_users=all_users)
+
+
+def test_a_sigkilled_vllm_creator_leaves_an_orphan(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    path = leave_orphan(root, engine_id)
+    e = entry(judge(root, vouched), path.name)
+    assert (e.status, e.reason) == (Status.ORPHANED, "no process maps or opens it")
+    assert (e.engine_id, e.segment, e.holders, e.owner, e.lock_held) == (engine_id, 0, (), None, False)
+
+
+def test_a_running_vllm_creator_keeps_its_file_live(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    path = region_path(root, engine_id)
+    with Child("vllm", path) as child:
+        e = entry(judge(root, vouched), path.name)
+    assert e.status is Status.LIVE
+    assert e.reason.startswith(f"held by 1 process(es): {child.pid}:")
+    assert [(h.pid, h.via) for h in e.holders] == [(child.pid, ("fd", "map"))]
+
+
+@pytest.mark.parametrize("mode", ["map-only", "fd-only"])
+def test_a_process_that_only_maps_or_only_opens_the_file_keeps_it_live(
+    root: Path, engine_id: str, vouched: frozenset[int], mode: str
+) -> None:
+    path = leave_orphan(root, engine_id)
+    with Child(mode, path):
+        assert entry(judge(root, vouched), path.name).status is Status.LIVE
+    assert entry(judge(root, vouched), path.name).status is Status.ORPHANED
+
+
+def test_a_kvoffload_region_is_live_by_lock_and_orphaned_once_its_owner_is_killed(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    path = region_path(root, engine_id)
+    child = Child("region", path)
+    try:
+        live = entry(judge(root, vouched), path.name)
+        assert live.status is Status.LIVE
+        assert live.lock_held is True
+        assert [(h.pid, h.via) for h in live.holders] == [(child.pid, ("fd", "map", "lock"))]
+        assert live.owner is not None
+        assert (live.owner.pid, live.owner.alive) == (child.pid, True)
+    finally:
+        child.kill()
+    dead = entry(judge(root, vouched), path.name)
+    assert dead.status is Status.ORPHANED
+    assert dead.reason == f"no process maps or opens it; owner pid {child.pid} has exited"
+    assert dead.owner is not None
+    assert dead.owner.alive is False
+    assert dead.lock_held is False
+
+
+def test_a_live_process_reusing_a_dead_owners_pid_is_not_the_owner(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    held = region_path(root, engine_id)
+    ghost = write_file(region_path(root, engine_id + "-ghost"))
+    with Child("vllm", held) as child:
+        # Both files claim an owner with the child's pid but another start time: a dead
+        # process whose pid the child now has.
+        real = owner.OwnerRecord.for_current_process(engine_id)
+        forged = owner.OwnerRecord(
+            **{**real.to_json(), "pid": child.pid, "start_ticks": real.start_ticks - 1}
+        )
+        for path in (held, ghost):
+            fd = os.open(path, os.O_RDONLY)
+            assert owner.write_owner(fd, forged)
+            os.close(fd)
+        report = judge(root, vouched)
+        live, orphan = entry(report, held.name), entry(report, ghost.name)
+    assert live.status is Status.LIVE
+    assert live.owner is not None
+    assert live.owner.alive is False
+    assert orphan.status is Status.ORPHANED
+    assert f"owner pid {child.pid} was reused by another process" in orphan.reason
+    held.unlink()
+
+
+def test_segments_follow_their_base_file(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+    base = write_file(region_path(root, engine_id))
+    segment = write_file(region_path(root, engine_id, 2))
+    with Child("map-only", segment) as child:  # vLLM maps segments and closes their fds
+        report = judge(root, vouched)
+        b, s = entry(report, base.name), entry(report, segment.name)
+    assert b.status is s.status is Status.LIVE
+    assert b.holders == ()
+    assert [h.pid for h in s.holders] == [child.pid]
+    assert s.reason.startswith("follows its base file: held by 1 process(es)")
+    report = judge(root, vouched)
+    assert {e.status for e in report.entries} == {Status.ORPHANED}
+    assert entry(report, segment.name).segment == 2
+
+
+def test_segments_without_their_base_are_judged_together(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    write_file(region_path(root, engine_id, 1))
+    write_file(region_path(root, engine_id, 2))
+    report = judge(root, vouched)
+    assert [e.status for e in report.entries] == [Status.ORPHANED, Status.ORPHANED]
+    assert report.entries[0].reason == "segment without its base file; no process maps or opens it"
+
+
+def test_an_empty_base_file_without_holder_is_an_orphan_of_a_failed_creator(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    path = write_file(region_path(root, engine_id), size=0, touch=0)
+    e = entry(judge(root, vouched), path.name)
+    assert e.status is Status.ORPHANED
+    assert "creator died before sizing it" in e.reason
+
+
+def test_a_file_younger_than_the_grace_period_is_starting(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    path = write_file(region_path(root, engine_id))
+    e = entry(scan(root, grace_s=30, assume_not_holding=vouched), path.name)
+    assert e.status is Status.STARTING
+    assert "within the 30s grace period" in e.reason
+    later = scan(root, grace_s=30, assume_not_holding=vouched, now=time.time() + 31)
+    assert entry(later, path.name).status is Status.ORPHANED
+
+
+def test_age_is_never_evidence_of_death(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+    path = region_path(root, engine_id)
+    with Child("vllm", path):
+        os.utime(path, (0, 0))  # mtime in 1970
+        e = entry(
+            scan(root, grace_s=30, assume_not_holding=vouched, now=time.time() + 86400 * 365), path.name
+        )
+        assert e.status is Status.LIVE
+    path.unlink()
+
+
+def test_sizes_are_apparent_and_resident(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+    path = write_file(region_path(root, engine_id), size=1 << 20, touch=2)
+    e = entry(judge(root, vouched), path.name)
+    assert (e.size_bytes, e.resident_bytes) == (1 << 20, 2 * 4096)
+    assert judge(root, vouched).summary.orphaned_resident_bytes == 2 * 4096
+
+
+def test_only_region_names_are_listed(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+    for name in (f"vllm_ec_{engine_id}.mmap", f"vllm_offload_{engine_id}.tmp", "torch_1234", "x.mmap"):
+        write_file(root / name)
+    legacy = write_file(root / "vllm_offload_1716230400123456789_dp1.mmap")
+    hisparse = write_file(root / "vllm_offload_hisparse_1716230400123456789_dp0_dp1.mmap")
+    report = judge(root, vouched)
+    assert [e.name for e in report.entries] == [legacy.name, hisparse.name]
+
+
+@pytest.fixture
+def victim() -> Iterator[Path]:
+    with shm_dir() as elsewhere:
+        yield write_file(elsewhere / "victim")
+
+
+def test_a_symlink_with_a_region_name_is_skipped_and_never_followed(
+    root: Path, engine_id: str, vouched: frozenset[int], victim: Path
+) -> None:
+    link = region_path(root, engine_id)
+    link.symlink_to(victim)
+    e = entry(judge(root, vouched), link.name)
+    assert (e.status, e.reason, e.kind) == (Status.SKIPPED, "symlink: never followed", "symlink")
+    assert e.ino == os.lstat(link).st_ino
+
+
+def test_a_hard_linked_file_is_skipped(
+    root: Path, engine_id: str, vouched: frozenset[int], victim: Path
+) -> None:
+    link = region_path(root, engine_id)
+    os.link(victim, link)
+    e = entry(judge(root, vouched), link.name)
+    assert (e.status, e.reason) == (Status.SKIPPED, "2 hard links: another name shares this inode")
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [(os.mkfifo, "fifo"), (os.mkdir, "directory")],
+)
+def test_non_regular_files_are_skipped(
+    root: Path, engine_id: str, vouched: frozenset[int], make: Callable[[Path], None], kind: str
+) -> None:
+    path = region_path(root, engine_id)
+    make(path)
+    e = entry(judge(root, vouched), path.name)
+    assert (e.status, e.reason) == (Status.SKIPPED, f"{kind}: not a region file")
+
+
+@pytest.mark.root
+def test_another_users_file_is_skipped_unless_all_users(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown a file to uid 65534")
+    path = write_file(region_path(root, engine_id))
+    os.chown(path, 65534, 65534)
+    e = entry(judge(root, vouched), path.name)
+    assert e.status is Status.SKIPPED
+    assert e.reason == "owned by uid 65534, not you (root can judge it with --all-users)"
+    assert entry(judge(root, vouched, all_users=True), path.name).status is Status.ORPHANED
+
+
+def test_a_skipped_base_makes_its_segments_skipped(
+    root: Path, engine_id: str, vouched: frozenset[int], victim: Path
+) -> None:
+    region_path(root, engine_id).symlink_to(victim)
+    segment = write_file(region_path(root, engine_id, 1))
+    e = entry(judge(root, vouched), segment.name)
+    assert (e.status, e.reason) == (Status.SKIPPED, "its base file is skipped (symlink: never followed)")
+
+
+def fake_proc(tmp_path: Path, *, maps_readable: bool, uid: int = 0, caps: int = 0x1FF) -> Path:
+    """A /proc with one process (pid 4242, comm ``blind``) whose maps is readable or not."""
+    proc = tmp_path / "proc"
+    base = proc / "4242"
+    (base / "fd").mkdir(parents=True)
+    (base / "stat").write_text("4242 (blind) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n")
+    (base / "status").write_text(f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nCapEff:\t{caps:x}\nCapPrm:\t{caps:x}\n")
+    if maps_readable:
+        (base / "maps").write_text("")
+    else:
+        (base / "maps").mkdir()  # reading it fails (EISDIR): the process cannot be inspected
+    return proc
+
+
+def test_a_process_that_cannot_be_inspected_makes_an_orphan_candidate_unknown(
+    root: Path, engine_id: str, tmp_path: Path
+) -> None:
+    path = write_file(region_path(root, engine_id))
+    blind = scan(root, grace_s=0, proc_root=fake_proc(tmp_path, maps_readable=False))
+    e = entry(blind, path.name)
+    assert e.status is Status.UNKNOWN
+    assert e.reason == "cannot inspect pid 4242 (blind: EISDIR on maps); liveness unproven"
+    assert [u.pid for u in blind.uninspected] == [4242]
+    shutil.rmtree(tmp_path / "proc")
+    seen = scan(root, grace_s=0, proc_root=fake_proc(tmp_path, maps_readable=True))
+    assert entry(seen, path.name).status is Status.ORPHANED
+
+
+def test_an_uninspectable_process_that_could_not_open_the_file_does_not_block(
+    root: Path, engine_id: str, tmp_path: Path
+) -> None:
+    path = write_file(region_path(root, engine_id))
+    other_user = fake_proc(tmp_path, maps_readable=False, uid=os.geteuid() + 1000, caps=0)
+    assert entry(scan(root, grace_s=0, proc_root=other_user), path.name).status is Status.ORPHANED
+
+
+def test_the_real_uninspectable_processes_here_make_orphans_unknown(root: Path, engine_id: str) -> None:
+    if not uninspectable_pids():
+        pytest.skip("every process on this machine can be inspected")
+    path = leave_orphan(root, engine_id)
+    e = entry(scan(root, grace_s=0), path.name)
+    assert e.status is Status.UNKNOWN
+    assert e.reason.startswith("cannot inspect ")
+
+
+def run_as_nobody(fn_source: str, root: Path) -> dict[str, str]:
+    """Run ``fn_source`` (defines ``result(root)``) as uid 65534 in a child; return its JSON."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to uid 65534")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            os.setgid(65534)
+            os.setuid(65534)
+            scope: dict[str, Callable[[Path], dict[str, str]]] = {}
+            exec(fn_source, scope)
+            out = scope["result"](root)
+            os.write(write_end, json.dumps(out).encode())
+        except BaseException as e:
+            os.write(write_end, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    result = json.loads(data)
+    assert isinstance(result, dict)
+    return result
+
+
+@pytest.mark.root
+def test_a_user_who_cannot_inspect_roots_processes_gets_unknown_not_orphaned(
+    root: Path, engine_id: str
+) -> None:
+    os.chown(root, 65534, 65534)
+    path = write_file(region_path(root, engine_id))
+    os.chown(path, 65534, 65534)
+    with Child("fd-only", path):  # a root process holds it; uid 65534 cannot see that
+        result = run_as_nobody(
+            "from kvoffload.shm.scan import scan\n"
+            "def result(root):\n"
+            "    e = scan(root, grace_s=0).entries[0]\n"
+            "    return {'status': e.status.value, 'reason': e.reason}\n",
+            root,
+        )
+    assert result["status"] == "unknown", result
+    assert "EACCES" in str(result["reason"])
+
+
+@pytest.mark.root
+def test_all_users_is_refused_to_a_non_root_caller(root: Path) -> None:
+    result = run_as_nobody(
+        "from kvoffload.shm.scan import scan\n"
+        "def result(root):\n"
+        "    scan(root, all_users=True)\n"
+        "    return {}\n",
+        root,
+    )
+    assert result["error"].startswith("ConfigError: all_users: only root")
+    with pytest.raises(ConfigError):
+        scan(root, grace_s=-1)
+
+
+def test_a_missing_root_is_a_root_error_with_a_fix(tmp_path: Path) -> None:
+    with pytest.raises(RootError, match="does not exist") as info:
+        scan(tmp_path / "nope")
+    assert info.value.fix
+    with pytest.raises(RootError, match="is not a directory"):
+        scan(write_file(tmp_path / "file"))
+
+
+@pytest.mark.root
+def test_an_unreadable_root_is_a_root_error(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o755)
+    result = run_as_nobody(
+        "from kvoffload.shm.scan import scan\ndef result(root):\n    scan(root)\n    return {}\n", locked
+    )
+    assert result["error"].startswith("RootError:")
+    assert "permission denied" in str(result["error"])
+
+
+def unshare_available() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], check=False, capture_output=True
+    )
+    return probe.returncode == 0
+
+
+IN_OWN_PID_NS = ("unshare", "--pid", "--fork", "--mount-proc")
+
+
+@pytest.mark.root
+def test_a_lock_held_from_a_pid_namespace_we_cannot_see_keeps_the_region_live(
+    root: Path, engine_id: str
+) -> None:
+    if not unshare_available():
+        pytest.skip("needs root and unshare(1) to scan from a fresh PID namespace")
+    path = region_path(root, engine_id)
+    with Child("region", path):
+        # The scanner runs in a new PID namespace: the holder is invisible, its lock is not.
+        code = (
+            "import sys; from kvoffload.shm.scan import scan; "
+            "e = scan(sys.argv[1], grace_s=0).entries[0]; print(e.status.value, e.reason, sep='|')"
+        )
+        out = subprocess.run(
+            [*IN_OWN_PID_NS, sys.executable, "-c", code, str(root)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            check=True,
+        ).stdout.strip()
+    assert out == "live|lock held (holder may be in another PID namespace)"
+
+
+@pytest.mark.root
+def test_the_region_of_an_owner_in_another_pid_namespace_is_proven_dead_by_its_free_lock(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    if not unshare_available():
+        pytest.skip("needs root and unshare(1) to create a region from another PID namespace")
+    path = region_path(root, engine_id)
+    # A restarted container: the creator ran in a PID namespace that is gone now.
+    Child("region", path, prefix=(*IN_OWN_PID_NS, "--kill-child")).kill()
+    deadline = time.monotonic() + 10
+    while True:
+        e = entry(judge(root, vouched), path.name)
+        if e.holders == () or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert e.owner is not None
+    assert e.owner.alive is None
+    assert e.status is Status.ORPHANED
+    assert e.reason.startswith(f"no process maps or opens it; owner pid {e.owner.pid} is in another PID ")
+    assert e.reason.endswith("and no process in any namespace holds its lock")
+
+
+@pytest.mark.root
+def test_a_region_held_in_another_pid_namespace_is_live_by_its_lock(
+    root: Path, engine_id: str, vouched: frozenset[int]
+) -> None:
+    if not unshare_available():
+        pytest.skip("needs root and unshare(1) to create a region from another PID namespace")
+    path = region_path(root, engine_id)
+    with Child("region", path, prefix=(*IN_OWN_PID_NS, "--kill-child")):
+        e = entry(judge(root, vouched), path.name)
+    assert e.status is Status.LIVE
+    assert e.lock_held is True
