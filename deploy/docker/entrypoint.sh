@@ -8,7 +8,8 @@
 set -eu
 shmctl reap --yes --grace "${SHMCTL_GRACE:-0s}" || {
     rc=$?
-    # 3 = could not inspect (permissions): start anyway, the engine will say if space is short.
+    # 3 = the root could not be read: start anyway, the engine will say if space is short.
+    # (Processes we cannot inspect make files `unknown`: never reaped, exit 0.)
     [ "$rc" -eq 3 ] || exit "$rc"
 }
 exec "$@"
