@@ -1,0 +1,224 @@
+"""``shmctl init``: rehearse an engine's CPU KV-offload bring-up with vLLM's own config.
+
+Three modes, one library call each: ``--dry-run`` (the plan and a capacity pre-flight;
+nothing is allocated), a real bring-up in world-size worker processes and a scheduler
+process (optionally with a fault at a chosen stage), and ``--matrix`` (every stage x
+every mode, each cell a fresh bring-up).
+
+Exit status: 0 the contract held (or: it fits, every matrix cell passed); 1 residue left
+behind, a crash left orphans, it does not fit, a matrix cell leaked; 2 usage or
+configuration error; 3 init failed for a reason that was not injected; 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from shmctl.commands.scan import DEFAULT_ROOT, AssumeOption, JsonOption, RootOption
+
+
+def _complete_points(incomplete: str) -> list[str]:
+    from kvoffload import faults
+
+    return [name for name in faults.names() if name.startswith(incomplete)]
+
+
+def _complete_presets(incomplete: str) -> list[str]:
+    from kvoffload.presets import PRESETS
+
+    return [name for name in PRESETS if name.startswith(incomplete)]
+
+
+def init(
+    kv_transfer_config: Annotated[
+        str | None,
+        typer.Option("--kv-transfer-config", metavar="JSON", help="vLLM's --kv-transfer-config, verbatim."),
+    ] = None,
+    config_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", metavar="FILE", help="The same JSON in a file, or TOML with the same keys (*.toml)."
+        ),
+    ] = None,
+    world_size: Annotated[
+        int, typer.Option("--world-size", min=1, help="Workers (tensor x pipeline parallel size).")
+    ] = 1,
+    kv_bytes_per_block: Annotated[
+        int | None,
+        typer.Option(
+            "--kv-bytes-per-block",
+            min=1,
+            metavar="BYTES",
+            help="KV bytes one worker holds per GPU block, all layers (vLLM's worker_kv_bytes_per_block).",
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            metavar="PRESET",
+            help="Compute --kv-bytes-per-block for a well-known model (see kvoffload/presets.py).",
+            autocompletion=_complete_presets,
+        ),
+    ] = None,
+    gpu_block_size: Annotated[
+        int, typer.Option("--gpu-block-size", min=1, help="Tokens per GPU block (vLLM --block-size).")
+    ] = 16,
+    replicated_layout: Annotated[
+        bool | None,
+        typer.Option(
+            "--replicated-layout/--no-replicated-layout",
+            help="One copy per row for all workers (MLA). Default: from --model, else off.",
+        ),
+    ] = None,
+    root: RootOption = DEFAULT_ROOT,
+    lifetime: Annotated[
+        str,
+        typer.Option(
+            "--lifetime",
+            metavar="kvoffload|vllm",
+            help="kvoffload: unlinked once everyone mapped it. "
+            "vllm: vLLM 0.33's tiering lifetime, kept while the engine lives.",
+        ),
+    ] = "kvoffload",
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", "-n", help="Allocate nothing: print the plan and the capacity pre-flight."),
+    ] = False,
+    roundtrip: Annotated[
+        bool, typer.Option("--roundtrip/--no-roundtrip", help="Store and load one chunk per worker.")
+    ] = True,
+    hold: Annotated[bool, typer.Option("--hold", help="Keep the engine up until Ctrl-C.")] = False,
+    fail_at: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--fail-at",
+            metavar="STAGE",
+            help="Inject a fault at this stage (see `shmctl faults`; secondary.N allowed). Repeatable.",
+            autocompletion=_complete_points,
+        ),
+    ] = None,
+    fail_mode: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--fail-mode",
+            metavar="MODE",
+            help="raise | oserror:ERRNO | crash | cleanup-raise, optionally P% first. "
+            "Repeatable with --matrix.",
+        ),
+    ] = None,
+    rank: Annotated[
+        str | None,
+        typer.Option(
+            "--rank", metavar="R|scheduler", help="Aim the fault at worker R or the scheduler only."
+        ),
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed for P% modes (printed when chosen).")
+    ] = None,
+    matrix: Annotated[
+        bool, typer.Option("--matrix", help="Every stage x every raise-type mode, a fresh bring-up per cell.")
+    ] = False,
+    include_crash: Annotated[
+        bool, typer.Option("--include-crash", help="With --matrix: crash cells too, then scan and reap.")
+    ] = False,
+    assume_not_holding: AssumeOption = None,
+    timeout: Annotated[
+        str,
+        typer.Option(
+            "--timeout", metavar="DURATION", help="Kill a participant silent for this long (60s, 5m)."
+        ),
+    ] = "60s",
+    json_output: JsonOption = False,
+) -> None:
+    """Plan, bring up and tear down CPU KV offload the way vLLM does, with faults at any stage."""
+    from kvoffload import engine
+    from kvoffload.durations import parse_duration
+    from kvoffload.engine.inputs import load_config
+    from kvoffload.errors import ConfigError
+    from shmctl.exit import ExitStatus
+    from shmctl.render import init as render
+
+    if lifetime not in ("kvoffload", "vllm"):
+        raise ConfigError("--lifetime", f"{lifetime!r} is neither 'kvoffload' nor 'vllm'")
+    config = load_config(
+        kv_transfer_config=kv_transfer_config,
+        config_file=config_file,
+        kv_bytes_per_block=kv_bytes_per_block,
+        model=model,
+        world_size=world_size,
+        gpu_block_size=gpu_block_size,
+        replicated_layout=replicated_layout,
+        root=root,
+        lifetime="vllm" if lifetime == "vllm" else "kvoffload",
+    )
+    target = engine.parse_target(rank)
+    modes = fail_mode or []
+    if not matrix and len(modes) > 1:
+        raise ConfigError("--fail-mode", "give one mode (several only with --matrix)")
+    if (modes or target is not None) and not (fail_at or matrix):
+        raise ConfigError("--fail-at", "--fail-mode and --rank aim a fault, so they need --fail-at")
+    if include_crash and not matrix:
+        raise ConfigError("--include-crash", "only with --matrix (for one crash: --fail-mode crash)")
+    if matrix and (dry_run or hold):
+        raise ConfigError("--matrix", "cannot be combined with --dry-run or --hold")
+    idle_timeout_s = parse_duration(timeout, option="--timeout")
+    if not json_output:
+        render.warnings(config.warnings)
+
+    if dry_run:
+        the_plan = engine.plan(config)
+        engine.build_fault_plan(the_plan, fail_at or (), modes[0] if modes else "raise", target, seed)
+        render.plan(the_plan, json_output=json_output)
+        raise typer.Exit(ExitStatus.OK if the_plan.capacity.fits else ExitStatus.FINDINGS)
+
+    if matrix:
+        with render.matrix_progress(json_output=json_output) as on_cell:
+            report = engine.run_matrix(
+                config,
+                stages=fail_at or None,
+                modes=modes or engine.DEFAULT_MODES,
+                include_crash=include_crash,
+                target_rank=target,
+                seed=seed,
+                idle_timeout_s=idle_timeout_s,
+                on_cell=on_cell,
+                assume_not_holding=frozenset(assume_not_holding or ()),
+            )
+        render.matrix(report, json_output=json_output)
+        if report.leaked:
+            raise typer.Exit(ExitStatus.FINDINGS)
+        raise typer.Exit(ExitStatus.RUNTIME if report.failed else ExitStatus.OK)
+
+    with render.progress(json_output=json_output) as on_progress:
+        result = engine.bring_up(
+            config,
+            fail_at=fail_at or (),
+            fail_mode=modes[0] if modes else "raise",
+            target_rank=target,
+            seed=seed,
+            roundtrip=roundtrip,
+            hold=render.announce_hold if hold else None,
+            progress=on_progress,
+            idle_timeout_s=idle_timeout_s,
+        )
+    render.init_report(result, json_output=json_output)
+    raise typer.Exit(EXIT_STATUS[str(result.verdict)])
+
+
+#: Verdict -> exit status: leaks and orphans are findings; an uninjected failure is a runtime error.
+EXIT_STATUS = {
+    "ok": 0,
+    "contract-held": 0,
+    "not-fired": 0,
+    "leaked": 1,
+    "orphaned": 1,
+    "failed": 3,
+}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("init")(init)
