@@ -1,3 +1,4 @@
 from shmctl.app import run
 
-run()
+if __name__ == "__main__":
+    run()

@@ -671,7 +671,7 @@ class SharedOffloadRegion:
             errors.append(e)
         step(f"unmap {name}", self._close_mapping)
         step(f"close fd of {name}", self._close_fd)
-        if self.creator and not self.unlinked:
+        if self.creator and not self.unlinked and self._names_still_ours():
             step(f"unlink {name} (creator)", self._unlink_created)
         step(f"close root fd of {name}", self._close_dir_fd)
         if errors:
@@ -681,10 +681,13 @@ class SharedOffloadRegion:
 
     def _close_mapping(self) -> None:
         # Views hold exports of the buffer; drop ours first or close() raises BufferError.
-        for view in self._views:
+        # Pop rather than iterate: a loop variable would keep the last view (and with it the
+        # export) alive in this frame while we close.
+        while self._views:
+            view = self._views.pop()
             if isinstance(view, memoryview):
                 view.release()
-        self._views.clear()
+            del view
         self._base = None
         if self._mm is None:
             return
@@ -723,6 +726,17 @@ class SharedOffloadRegion:
         for name, ident in self._identities.items():
             self._unlink_if_same(name, ident)
         self.unlinked = True
+
+    def _names_still_ours(self) -> bool:
+        """Does any name still refer to an inode we created? (The ledger may have unlinked them.)"""
+        for name, ident in self._identities.items():
+            try:
+                st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if (st.st_dev, st.st_ino) == ident:
+                return True
+        return False
 
     def _unlink_if_same(self, name: str, ident: tuple[int, int]) -> None:
         try:

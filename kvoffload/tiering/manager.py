@@ -351,12 +351,10 @@ class TieringOffloadingManager(OffloadingManager):
 
     @staticmethod
     def _shutdown_secondary(index: int, tier: SecondaryTierManager) -> None:
-        faults.point("cleanup.secondary", index=index)
-        tier.shutdown()
+        shutdown_secondary(index, tier)
 
     def _shutdown_primary(self) -> None:
-        faults.point("cleanup.primary")
-        self.primary_tier.shutdown()
+        shutdown_primary(self.primary_tier)
 
     def shutdown(self) -> None:
         """Stop polling, shut down every secondary tier, then always the primary. Idempotent.
@@ -379,3 +377,22 @@ class TieringOffloadingManager(OffloadingManager):
             )
         steps.append(("shut down the primary tier", self._shutdown_primary))
         release_all(steps)
+
+
+# The cleanup fault points model a shutdown step that reports a failure: the release
+# itself still happens (``finally``), so what a test checks is that the failure is
+# surfaced and that it stops nothing from being released (as with ``cleanup.region``).
+def shutdown_secondary(index: int, tier: SecondaryTierManager) -> None:
+    """Shut down secondary tier ``index``; fault point ``cleanup.secondary[.index]``."""
+    try:
+        faults.point("cleanup.secondary", index=index)
+    finally:
+        tier.shutdown()
+
+
+def shutdown_primary(primary: CPUPrimaryTierOffloadingManager) -> None:
+    """Shut down the primary tier (which cleans its region); fault point ``cleanup.primary``."""
+    try:
+        faults.point("cleanup.primary")
+    finally:
+        primary.shutdown()

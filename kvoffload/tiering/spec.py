@@ -18,6 +18,7 @@ lifetime the path disappears once the workers and the scheduler have all mapped 
 from __future__ import annotations
 
 from contextlib import ExitStack
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvoffload import faults
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from kvoffload.base import OffloadingManager
     from kvoffload.shm.region import SharedOffloadRegion
     from kvoffload.tiering.base import SecondaryTierManager
-    from kvoffload.tiering.manager import CPUPrimaryTierOffloadingManager
 
 
 class TieringOffloadingSpec(CPUOffloadingSpec):
@@ -60,7 +60,12 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                 "kv_connector_extra_config.store_threshold",
                 "store_threshold is not supported for TieringOffloadingSpec",
             )
-        from kvoffload.tiering.manager import CPUPrimaryTierOffloadingManager, TieringOffloadingManager
+        from kvoffload.tiering.manager import (
+            CPUPrimaryTierOffloadingManager,
+            TieringOffloadingManager,
+            shutdown_primary,
+            shutdown_secondary,
+        )
         from kvoffload.tiering.tiers import SecondaryTierFactory
 
         with ExitStack() as undo:
@@ -77,7 +82,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                 cache_policy=self.eviction_policy,
                 cache_policy_module_path=self.cache_policy_module_path,
             )
-            undo.callback(self.journal.quietly, "shut down primary tier", self._shutdown_primary(primary))
+            undo.callback(self.journal.quietly, "shut down primary tier", partial(shutdown_primary, primary))
             view = primary.get_kv_memoryview()
 
             secondaries: list[SecondaryTierManager] = []
@@ -89,7 +94,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
                 undo.callback(
                     self.journal.quietly,
                     f"shut down secondary tier {index} ({kind})",
-                    self._shutdown_secondary(index, tier),
+                    partial(shutdown_secondary, index, tier),
                 )
 
             faults.point("manager")
@@ -102,19 +107,3 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
 
     def _forget_scheduler_region(self) -> None:
         self._scheduler_mmap = None
-
-    @staticmethod
-    def _shutdown_primary(primary: CPUPrimaryTierOffloadingManager) -> Any:
-        def shutdown() -> None:
-            faults.point("cleanup.primary")
-            primary.shutdown()
-
-        return shutdown
-
-    @staticmethod
-    def _shutdown_secondary(index: int, tier: SecondaryTierManager) -> Any:
-        def shutdown() -> None:
-            faults.point("cleanup.secondary", index=index)
-            tier.shutdown()
-
-        return shutdown
