@@ -26,6 +26,11 @@ def _complete_points(incomplete: str) -> list[str]:
     return [name for name in faults.names() if name.startswith(incomplete)]
 
 
+def _complete_modes(incomplete: str) -> list[str]:
+    modes = ("raise", "oserror:EFAULT", "oserror:ENOSPC", "oserror:EIO", "crash", "cleanup-raise")
+    return [mode for mode in modes if mode.startswith(incomplete)]
+
+
 def _complete_presets(incomplete: str) -> list[str]:
     from kvoffload.presets import PRESETS
 
@@ -106,6 +111,7 @@ def init(
         typer.Option(
             "--fail-mode",
             metavar="MODE",
+            autocompletion=_complete_modes,
             help="raise | oserror:ERRNO | crash | cleanup-raise, optionally P% first. "
             "Repeatable with --matrix.",
         ),

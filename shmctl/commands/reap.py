@@ -20,6 +20,27 @@ from shmctl.commands.scan import (
 )
 
 
+def _complete_engines(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Engine ids of the region files in --root (a directory listing: cheap on every Tab)."""
+    import os
+
+    from kvoffload.shm import names
+
+    root = ctx.params.get("root") or os.environ.get("SHMCTL_ROOT") or DEFAULT_ROOT
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return []
+    parsed = (names.parse(entry) for entry in entries)
+    return sorted(
+        {
+            p.engine_id
+            for p in parsed
+            if p is not None and p.segment == 0 and p.engine_id.startswith(incomplete)
+        }
+    )
+
+
 def reap(
     root: RootOption = DEFAULT_ROOT,
     grace: GraceOption = "30s",
@@ -31,7 +52,10 @@ def reap(
     ] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     engine: Annotated[
-        str | None, typer.Option("--engine", metavar="ID", help="Only this engine id's region.")
+        str | None,
+        typer.Option(
+            "--engine", metavar="ID", help="Only this engine id's region.", autocompletion=_complete_engines
+        ),
     ] = None,
     pid: Annotated[
         int | None,

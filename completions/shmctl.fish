@@ -1,0 +1,1 @@
+complete --command shmctl --no-files --arguments "(env _SHMCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) shmctl)" --condition "env _SHMCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) shmctl"

@@ -1,0 +1,63 @@
+"""Shell completion: the shipped scripts are current, and Tab completes from live data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvoffload import faults
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def complete(words: str, cword: int, env: dict[str, str] | None = None) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "shmctl"],
+        env={
+            **os.environ,
+            **(env or {}),
+            "COMP_WORDS": words,
+            "COMP_CWORD": str(cword),
+            "_SHMCTL_COMPLETE": "complete_bash",
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return result.stdout.split()
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_shipped_completion_scripts_are_current(shell: str) -> None:
+    fresh = subprocess.run(
+        [sys.executable, "-m", "shmctl", "--show-completion", shell],
+        env={**os.environ, "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    # `python -m shmctl` names itself like the console script would.
+    assert fresh == (REPO / "completions" / f"shmctl.{shell}").read_text(), "run `make completions`"
+
+
+def test_commands_complete() -> None:
+    assert complete("shmctl ", 1) == ["scan", "reap", "init", "faults", "audit", "metrics"]
+
+
+def test_fail_at_completes_from_the_fault_registry() -> None:
+    assert complete("shmctl init --fail-at region.", 3) == [
+        n for n in faults.names() if n.startswith("region.")
+    ]
+
+
+def test_reap_engine_completes_engine_ids_of_the_root(tmp_path: Path) -> None:
+    for name in ("vllm_offload_abc-1.mmap", "vllm_offload_abc-1.mmap.1", "vllm_offload_abd-2.mmap", "other"):
+        (tmp_path / name).touch()
+    assert complete(f"shmctl reap --root {tmp_path} --engine ab", 5) == ["abc-1", "abd-2"]
+    assert complete("shmctl reap --engine ab", 3, {"SHMCTL_ROOT": str(tmp_path)}) == ["abc-1", "abd-2"]
