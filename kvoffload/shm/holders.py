@@ -22,7 +22,8 @@ Invariants:
 * a process we cannot read (EACCES, EPERM, any error other than "it exited") is an
   ``Uninspected`` entry, never silently skipped: callers must treat it as a possible
   holder (fail-closed). Processes that exit mid-pass are not failures, and zombies hold
-  nothing (they dropped their fds and mappings when they died);
+  nothing (they dropped their fds and mappings when they died), except a zombie thread-group
+  leader whose other threads still run: those are read through ``/proc/PID/task/TID``;
 * nothing here opens, locks or maps the files being judged.
 """
 
@@ -302,10 +303,21 @@ def _inspect(
     except (ValueError, IndexError):
         seen.uninspected.append(Uninspected(pid, "?", "unparsable", "stat"))
         return False
-    if st.is_zombie:
-        return False
-    seen.comm[pid] = st.comm
     base = f"{proc_root}/{pid}"
+    if st.is_zombie:
+        # A zombie leader may still have live threads (its main thread called pthread_exit):
+        # they share its mappings and fds, which only their task directories still show.
+        try:
+            thread = procfs.live_thread(pid, proc_root)
+        except OSError as e:
+            if e.errno in _VANISHED:
+                return False
+            seen.uninspected.append(_uninspected(proc_root, pid, st.comm, e, "task"))
+            return False
+        if thread is None:
+            return False
+        base = f"{proc_root}/{pid}/task/{thread}"
+    seen.comm[pid] = st.comm
     fd_dir = f"{base}/fd"
     # fds first, then maps: open -> mmap -> close is visible in every state (module docstring).
     try:

@@ -123,5 +123,14 @@ def judge_owner(record: OwnerRecord, proc_root: Path = procfs.PROC_ROOT) -> Owne
     if stat.start_ticks != record.start_ticks:
         return OwnerLiveness(False, f"owner pid {record.pid} was reused by another process ({stat.comm})")
     if stat.is_zombie:
-        return OwnerLiveness(False, f"owner pid {record.pid} is a zombie")
+        try:
+            running = procfs.live_thread(record.pid, proc_root)
+        except OSError as e:
+            return OwnerLiveness(None, f"owner pid {record.pid} cannot be inspected: {e.strerror}")
+        if running is None:
+            return OwnerLiveness(False, f"owner pid {record.pid} is a zombie")
+        return OwnerLiveness(
+            True,
+            f"owner pid {record.pid} ({stat.comm}) is running (thread {running}; its main thread exited)",
+        )
     return OwnerLiveness(True, f"owner pid {record.pid} ({stat.comm}) is running")

@@ -7,6 +7,7 @@ be read raises ``OSError`` for the caller to turn into "unknown".
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,29 @@ def parse_stat(pid: int, text: str) -> ProcStat:
 def read_stat(pid: int, proc_root: Path = PROC_ROOT) -> ProcStat:
     with open(proc_root / str(pid) / "stat", encoding="utf-8", errors="surrogateescape") as f:
         return parse_stat(pid, f.read())
+
+
+def live_thread(pid: int, proc_root: Path = PROC_ROOT) -> int | None:
+    """A thread of ``pid``'s thread group, other than the leader, that has not exited.
+
+    A leader that called ``pthread_exit`` is a zombie while its other threads run on with
+    its mappings and fds; only ``/proc/PID/task/TID`` still shows them. Raises ``OSError``
+    when the task list cannot be read.
+    """
+    tasks = proc_root / str(pid) / "task"
+    for name in os.listdir(tasks):
+        if not name.isdigit() or int(name) == pid:
+            continue
+        try:
+            if not read_stat(int(name), tasks).is_zombie:
+                return int(name)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ESRCH):
+                continue  # that thread exited meanwhile
+            raise
+        except (ValueError, IndexError):
+            return int(name)  # unparsable: assume it runs (callers are fail-closed)
+    return None
 
 
 def read_boot_id(proc_root: Path = PROC_ROOT) -> str | None:
