@@ -77,8 +77,14 @@ def _click_or_crash(error: Exception) -> int:
         return ExitStatus.INTERRUPTED
     if isinstance(error, typer.TyperException):
         format_message = getattr(error, "format_message", None)
-        error_line(format_message() if callable(format_message) else str(error))
-        return ExitStatus.USAGE if getattr(error, "exit_code", 2) == 2 else ExitStatus.RUNTIME
+        message = format_message() if callable(format_message) else str(error)
+        usage = getattr(error, "exit_code", 2) == 2
+        if usage:
+            # click names the problem; the fix is in the command's help.
+            command = getattr(getattr(error, "ctx", None), "command_path", None) or "shmctl"
+            message = f"{message} (fix: see `{command} --help`)"
+        error_line(message)
+        return ExitStatus.USAGE if usage else ExitStatus.RUNTIME
     raise error
 
 

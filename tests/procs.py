@@ -18,6 +18,7 @@ Ways to hold a file (``mode``):
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,12 +169,8 @@ def shm_dir() -> Iterator[Path]:
     try:
         yield path
     finally:
-        for entry in os.scandir(path):
-            if entry.is_dir(follow_symlinks=False):
-                os.rmdir(entry.path)
-            else:
-                os.unlink(entry.path)
-        path.rmdir()
+        # rmtree never follows symlinks out of the tree; hostile tests leave nested dirs.
+        shutil.rmtree(path)
 
 
 _CHURN = r"""

@@ -18,6 +18,9 @@ RootOption = Annotated[
         metavar="PATH",
         help="Directory holding the region files.",
         show_default=True,
+        # The library reports an unreadable root (exit 3, with a fix); click's own check
+        # would make it a usage error (exit 2) without one.
+        readable=False,
     ),
 ]
 GraceOption = Annotated[

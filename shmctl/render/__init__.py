@@ -35,8 +35,26 @@ def to_jsonable(value: Any) -> Any:
 
 
 def emit_json(document: Any) -> None:
-    sys.stdout.write(json.dumps(to_jsonable(document), indent=2, ensure_ascii=False) + "\n")
+    text = json.dumps(to_jsonable(document), indent=2, ensure_ascii=False)
+    # A file name that is not UTF-8 reaches us as lone surrogates (os.listdir's surrogateescape),
+    # which no stdout can encode. "\udcff" is their JSON escape: json.loads gives the name back.
+    sys.stdout.write(text.encode("utf-8", "backslashreplace").decode("utf-8") + "\n")
     sys.stdout.flush()
+
+
+def printable(text: str, *, escape_backslash: bool = True) -> str:
+    """``text`` with control characters, invisible formatting and undecodable bytes escaped.
+
+    File names in the shm root are chosen by whoever created them: a newline or tab in a name
+    would forge lines and columns in plain output, an ESC would drive the operator's terminal.
+    Backslashes are escaped too (by default), so every escaped text stands for one name only.
+    """
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(
+        c if c.isprintable() and (c != "\\" or not escape_backslash) else c.encode("unicode_escape").decode()
+        for c in text
+    )
 
 
 def plain_output() -> bool:
@@ -82,10 +100,10 @@ def human_age(seconds: float | None) -> str:
 
 def error_line(message: str) -> None:
     """One line on stderr, no traceback: ``shmctl: error: <what> (fix: <how>)``."""
-    sys.stderr.write(f"shmctl: error: {message}\n")
+    sys.stderr.write(f"shmctl: error: {printable(message, escape_backslash=False)}\n")
     sys.stderr.flush()
 
 
 def warning_line(message: str) -> None:
-    sys.stderr.write(f"shmctl: warning: {message}\n")
+    sys.stderr.write(f"shmctl: warning: {printable(message, escape_backslash=False)}\n")
     sys.stderr.flush()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 
 from kvoffload.shm.audit import AuditReport
-from shmctl.render import console, emit_json, human_bytes
+from shmctl.render import console, emit_json, human_bytes, printable
 
 
 def audit_report(report: AuditReport, *, json_output: bool) -> None:
@@ -13,7 +13,7 @@ def audit_report(report: AuditReport, *, json_output: bool) -> None:
         emit_json({**_fields(report), "clean": report.clean})
         return
     out = console(stderr=True)  # the command's own output owns stdout
-    command = shlex.join(report.command)
+    command = printable(shlex.join(report.command), escape_backslash=False)
     if report.clean:
         out.print(
             f"shmctl audit: clean: `{command}` left no region in {report.root} "
@@ -29,12 +29,15 @@ def audit_report(report: AuditReport, *, json_output: bool) -> None:
     )
     for entry in report.leaked:
         out.print(
-            f"  {entry.status}\t{entry.path}\t{human_bytes(entry.resident_bytes)}\t{entry.reason}",
+            f"  {entry.status}\t{printable(str(entry.path))}\t{human_bytes(entry.resident_bytes)}\t"
+            f"{printable(entry.reason)}",
             markup=False,
         )
     for d in report.leaked_deleted:
         out.print(
-            f"  deleted\t{d.path}\tpid {d.pid} ({d.name})\t{human_bytes(d.mapped_bytes)} mapped", markup=False
+            f"  deleted\t{printable(d.path)}\tpid {d.pid} ({printable(d.name)})\t"
+            f"{human_bytes(d.mapped_bytes)} mapped",
+            markup=False,
         )
     out.print(
         f"  remove orphans with: shmctl reap --root {shlex.quote(str(report.root))} --grace 0s", markup=False

@@ -103,12 +103,27 @@ def write_textfile(directory: Path, text: str) -> None:
     """Write ``directory/shmctl.prom`` atomically: node_exporter never reads half a file."""
     if not directory.is_dir():
         raise RootError(directory, "is not a directory", fix="create the textfile collector directory first")
-    fd, tmp = tempfile.mkstemp(prefix=".shmctl.prom.", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".shmctl.prom.", dir=directory)
+    except OSError as e:
+        raise _unwritable(directory, e) from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, directory / FILENAME)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise _unwritable(directory, e) from None
         raise
+
+
+def _unwritable(directory: Path, error: OSError) -> RootError:
+    # A full or read-only textfile directory (ENOSPC, EROFS, EACCES) is the operator's to fix;
+    # name the file and the cause, not just the errno.
+    return RootError(
+        directory,
+        f"cannot write {FILENAME}: {error.strerror or error}",
+        fix="free space in the textfile directory or pass another --textfile",
+    )

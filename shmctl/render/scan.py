@@ -4,7 +4,8 @@ The JSON is the report dataclass serialised by ``to_jsonable``, so tables and sc
 read one source of truth. Tables show one row per region (base file plus segments) and
 at most ``limit`` rows; plain text (not a terminal, ``NO_COLOR``) prints every file, one
 tab-separated line each, for grep and awk. Engine ids are arbitrary strings, so names
-are never interpreted as rich markup.
+are never interpreted as rich markup, and their control characters are escapes in text
+(a name cannot forge a line, a column or a terminal sequence).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 from kvoffload.shm.holders import Holder
 from kvoffload.shm.reap import ReapReport
 from kvoffload.shm.scan import ScanEntry, ScanReport, ScanSummary, Status
-from shmctl.render import console, emit_json, human_age, human_bytes, plain_output, warning_line
+from shmctl.render import console, emit_json, human_age, human_bytes, plain_output, printable, warning_line
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -45,11 +46,11 @@ class _Row:
 
     @property
     def label(self) -> str:
-        return self.first.name + self._segments
+        return printable(self.first.name) + self._segments
 
     @property
     def engine(self) -> str:
-        return self.first.engine_id + self._segments
+        return printable(self.first.engine_id) + self._segments
 
     @property
     def _segments(self) -> str:
@@ -89,15 +90,15 @@ def _rows(entries: Iterable[ScanEntry]) -> list[_Row]:
 def _holders_text(holders: Sequence[Holder], shown: int = 3) -> str:
     if not holders:
         return "-"
-    text = ", ".join(f"{h.pid}:{h.name}" for h in holders[:shown])
+    text = ", ".join(f"{h.pid}:{printable(h.name)}" for h in holders[:shown])
     return text + (f" +{len(holders) - shown}" if len(holders) > shown else "")
 
 
 def summary_line(summary: ScanSummary, root: object) -> str:
     if not summary.total:
-        return f"no region files in {root}"
+        return f"no region files in {printable(str(root))}"
     counts = ", ".join(f"{getattr(summary, s.value)} {s.value}" for s in Status if getattr(summary, s.value))
-    line = f"{summary.total} region file(s) in {root}: {counts}"
+    line = f"{summary.total} region file(s) in {printable(str(root))}: {counts}"
     if summary.orphaned:
         line += (
             f"; orphans pin {human_bytes(summary.orphaned_resident_bytes)} "
@@ -133,17 +134,19 @@ def scan_report(report: ScanReport, *, json_output: bool, show_deleted: bool, li
         for e in report.entries:
             fields = (
                 e.status.value,
-                e.name,
+                printable(e.name),
                 human_bytes(e.size_bytes),
                 human_bytes(e.resident_bytes),
                 human_age(e.age_s),
                 _holders_text(e.holders, shown=len(e.holders)),
-                e.reason,
+                printable(e.reason),
             )
             out.line("\t".join(fields))
         if show_deleted:
             for d in report.deleted:
-                out.line(f"deleted\t{d.pid}\t{d.name}\t{d.path}\t{human_bytes(d.mapped_bytes)}")
+                out.line(
+                    f"deleted\t{d.pid}\t{printable(d.name)}\t{printable(d.path)}\t{human_bytes(d.mapped_bytes)}"
+                )
         out.line(summary_line(report.summary, report.root))
         return
 
@@ -152,7 +155,7 @@ def scan_report(report: ScanReport, *, json_output: bool, show_deleted: bool, li
 
     rows = _rows(report.entries)
     shown = rows if limit == 0 else rows[:limit]
-    table = Table(title=f"region files in {report.root}", title_justify="left")
+    table = Table(title=f"region files in {printable(str(report.root))}", title_justify="left")
     table.add_column("status", no_wrap=True)
     table.add_column("engine id", overflow="fold", ratio=2)
     table.add_column("size", justify="right", no_wrap=True)
@@ -169,7 +172,7 @@ def scan_report(report: ScanReport, *, json_output: bool, show_deleted: bool, li
             human_bytes(row.resident),
             human_age(row.age),
             Text(_holders_text(row.holders)),
-            Text(row.first.reason),
+            Text(printable(row.first.reason)),
         )
     if rows:
         out.rich.print(table)
@@ -194,7 +197,13 @@ def _deleted_table(out: Console, report: ScanReport) -> None:
     for column in ("pid", "process", "path", "mapped", "via"):
         table.add_column(column, justify="right" if column in ("pid", "mapped") else "left")
     for d in report.deleted:
-        table.add_row(str(d.pid), Text(d.name), Text(d.path), human_bytes(d.mapped_bytes), ",".join(d.via))
+        table.add_row(
+            str(d.pid),
+            Text(printable(d.name)),
+            Text(printable(d.path)),
+            human_bytes(d.mapped_bytes),
+            ",".join(d.via),
+        )
     out.print(table)
 
 
@@ -213,7 +222,7 @@ def _warn_blind_spots(report: ScanReport) -> None:
 def _removal_lines(out: _Out, verb: str, entries: Sequence[ScanEntry]) -> list[str]:
     """One line per file when plain, one per region on a terminal."""
     if out.plain:
-        return [f"{verb}\t{e.name}\t{human_bytes(e.resident_bytes)}" for e in entries]
+        return [f"{verb}\t{printable(e.name)}\t{human_bytes(e.resident_bytes)}" for e in entries]
     return [f"{verb}\t{row.label}\t{human_bytes(row.resident)}" for row in _rows(entries)]
 
 
@@ -225,7 +234,7 @@ def reap_report(report: ReapReport, *, json_output: bool) -> None:
     for line in _removal_lines(out, "would remove" if report.dry_run else "removed", report.removed):
         out.line(line)
     for e in report.kept:
-        out.line(f"kept\t{e.name}\t{e.reason}", style=STYLE[e.status])
+        out.line(f"kept\t{printable(e.name)}\t{printable(e.reason)}", style=STYLE[e.status])
     files = len(report.removed)
     if not files and not report.kept:
         line = f"nothing to reap: {summary_line(report.summary, report.root)}"
