@@ -17,7 +17,9 @@ Sizing follows vLLM 0.33 (``cpu/spec.py``) exactly:
 from __future__ import annotations
 
 import json
+import math
 import mmap
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -70,6 +72,8 @@ _EXTRA_KEYS = frozenset(
 )
 
 Lifetime = Literal["kvoffload", "vllm"]
+#: ASCII digits only: ``str.isdigit()`` is also true of '²', which ``int()`` refuses.
+_DIGITS = re.compile(r"[0-9]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +244,7 @@ class OffloadingConfig:
             )
         tiers = _secondary_tiers(extra, spec_name)
         poll = extra.get("tier_poll_interval_s", 0.001)
-        if isinstance(poll, bool) or not isinstance(poll, (int, float)):
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not _finite(poll):
             raise ConfigError("kv_connector_extra_config.tier_poll_interval_s", "must be a number of seconds")
 
         return cls(
@@ -284,9 +288,18 @@ def _load_top(raw: str | Mapping[str, Any]) -> Mapping[str, Any]:
                 f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}",
                 fix="quote the JSON in single quotes in the shell",
             ) from None
+        except RecursionError:
+            raise ConfigError("kv_transfer_config", "JSON nested too deeply to be a configuration") from None
     if not isinstance(raw, Mapping):
         raise ConfigError("kv_transfer_config", "must be a JSON object")
     return raw
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _check_int(key: str, value: object, *, minimum: int | None = None) -> int:
@@ -335,7 +348,7 @@ def _cpu_bytes(extra: Mapping[str, Any]) -> int:
         raise ConfigError(key, f"must be a number of bytes, got {value!r}")
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
         value = int(value)  # vLLM int()-converts it
     if not isinstance(value, int):
         raise ConfigError(key, f"must be a whole number of bytes, got {value!r}")

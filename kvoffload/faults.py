@@ -26,6 +26,7 @@ is added.
 from __future__ import annotations
 
 import errno as errno_mod
+import math
 import os
 import random
 import re
@@ -66,12 +67,18 @@ REGISTRY: tuple[FaultPoint, ...] = (
     ),
     FaultPoint("manager", "init", "scheduler: before the offloading manager is built over the tiers"),
     FaultPoint(
-        "cleanup.secondary", "cleanup", "before a secondary tier is shut down (cleanup.secondary.N: the N-th)"
+        "cleanup.secondary",
+        "cleanup",
+        "a secondary tier's shutdown reports failure; the tier is still shut down (.N: the N-th)",
     ),
-    FaultPoint("cleanup.primary", "cleanup", "before the primary tier is shut down"),
-    FaultPoint("cleanup.worker", "cleanup", "before the offloading worker is shut down"),
     FaultPoint(
-        "cleanup.region", "cleanup", "at the start of a region's cleanup (the release still completes)"
+        "cleanup.primary", "cleanup", "the primary tier's shutdown reports failure; it is still released"
+    ),
+    FaultPoint(
+        "cleanup.worker", "cleanup", "the worker fails while stopping transfers; its region is still released"
+    ),
+    FaultPoint(
+        "cleanup.region", "cleanup", "a region's cleanup reports failure; the release still completes"
     ),
 )
 
@@ -114,14 +121,27 @@ class Term:
     sleep_ms: float | None = None
 
 
+#: Linux errno values are 1..4095 (MAX_ERRNO). A bad one must fail at parse time, not when the
+#: point fires (os.strerror overflows past a C int, deep inside the code under test).
+_MAX_ERRNO = 4095
+_ERRNO_NUMBER = re.compile(r"[0-9]+")
+
+
 def _parse_errno(text: str) -> int:
     text = text.strip()
-    if text.isdigit():
-        return int(text)
-    value = getattr(errno_mod, text.upper(), None)
+    if _ERRNO_NUMBER.fullmatch(text):  # ASCII only: str.isdigit() also takes '²'
+        value: object = int(text)
+    else:
+        value = getattr(errno_mod, text.upper(), None)
     if not isinstance(value, int):
         raise FaultSpecError(
             "fault action", f"unknown errno {text!r}", fix="use a number or a name like ENOSPC"
+        )
+    if not 1 <= value <= _MAX_ERRNO:
+        raise FaultSpecError(
+            "fault action",
+            f"errno {value} is outside 1..{_MAX_ERRNO}",
+            fix="use a number or a name like ENOSPC",
         )
     return value
 
@@ -161,8 +181,10 @@ def parse_actions(spec: str) -> list[Term]:
                 term.sleep_ms = float(arg or "")
             except ValueError:
                 raise FaultSpecError("fault action", f"sleep needs milliseconds, got {arg!r}") from None
-            if term.sleep_ms < 0:
-                raise FaultSpecError("fault action", "sleep needs a non-negative number of milliseconds")
+            if not math.isfinite(term.sleep_ms) or term.sleep_ms < 0:
+                raise FaultSpecError(
+                    "fault action", f"sleep needs a finite, non-negative number of milliseconds, got {arg!r}"
+                )
         elif arg is not None and action in ("off", "crash"):
             raise FaultSpecError("fault action", f"{action} takes no argument")
         terms.append(term)

@@ -279,7 +279,7 @@ class CachePolicyFactory:
         log.warning("Loading out-of-tree cache policy %s from %s", name, module_path)
         try:
             module = importlib.import_module(module_path)
-        except ImportError as e:
+        except (ImportError, TypeError) as e:  # TypeError: a relative name such as ".x"
             raise ConfigError(
                 "cache_policy_module_path",
                 f"cannot import {module_path!r}: {e}",

@@ -34,13 +34,15 @@ class RegionName:
     engine_id: str
     segment: int = 0
 
+    # A parsed name exists on disk already; it must read back even when the engine id
+    # could not name every segment (a 255-byte ``.mmap.1`` name has no ``.mmap.31`` sibling).
     @property
     def name(self) -> str:
-        return format_name(self.engine_id, self.segment)
+        return format_name(self.engine_id, self.segment, _check=False)
 
     @property
     def base_name(self) -> str:
-        return format_name(self.engine_id, 0)
+        return format_name(self.engine_id, 0, _check=False)
 
     @property
     def dp_rank(self) -> int | None:
@@ -71,7 +73,14 @@ def validate_engine_id(engine_id: str) -> str:
             "engine_id", f"{engine_id!r} contains '/' or NUL", fix="use letters, digits, '-' and '_'"
         )
     longest = format_name(engine_id, MAX_SEGMENTS - 1, _check=False)
-    if len(longest.encode("utf-8", "surrogateescape")) > NAME_MAX:
+    try:
+        encoded = longest.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        # A lone surrogate outside U+DC80..U+DCFF (JSON's "\ud800") has no bytes on disk.
+        raise ConfigError(
+            "engine_id", f"{engine_id!r} is not valid Unicode text", fix="use letters, digits, '-' and '_'"
+        ) from None
+    if len(encoded) > NAME_MAX:
         raise ConfigError(
             "engine_id", f"too long: file names would exceed {NAME_MAX} bytes", fix="use a shorter engine_id"
         )

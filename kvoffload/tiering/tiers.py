@@ -254,7 +254,7 @@ class SecondaryTierFactory:
         log.warning("Loading out-of-tree secondary tier %s from %s", tier_type, module_path)
         try:
             module = importlib.import_module(module_path)
-        except ImportError as e:
+        except (ImportError, TypeError) as e:  # TypeError: a relative name such as ".x"
             raise ConfigError(f"{where}.module_path", f"cannot import {module_path!r}: {e}") from e
         tier_cls = getattr(module, tier_type, None)
         if not (isinstance(tier_cls, type) and issubclass(tier_cls, SecondaryTierManager)):
