@@ -205,7 +205,8 @@ def test_joiner_of_an_unsized_vllm_file_times_out_clearly(engine_id: str) -> Non
         with pytest.raises(JoinTimeoutError, match="timed out") as info:
             make(engine_id, join_timeout_s=0.2)
         assert isinstance(info.value, TimeoutError)
-        assert info.value.fix and "shmctl scan" in info.value.fix
+        assert info.value.fix
+        assert "shmctl scan" in info.value.fix
     finally:
         path.unlink()
 

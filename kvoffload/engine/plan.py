@@ -51,7 +51,7 @@ CREATOR_ONLY = frozenset({"region.space", "region.truncate"})
 TIERING_ONLY = frozenset({"scheduler.region", "primary", "secondary", "cleanup.secondary", "cleanup.primary"})
 _INDEXED_DESCRIPTIONS = {
     "secondary": "tiering scheduler: before secondary tier {index} ({type}) is built",
-    "cleanup.secondary": "secondary tier {index} ({type}): its shutdown reports failure; it is still shut down",
+    "cleanup.secondary": "secondary tier {index} ({type}) reports a shutdown failure; it is still shut down",
 }
 
 
