@@ -363,3 +363,17 @@ def test_a_bad_duration_names_its_option(text: str) -> None:
         parse_duration(text, option="--older-than")
     assert info.value.fix is not None
     assert "1h30m" in info.value.fix
+
+
+def test_vouched_processes_are_reported_but_not_named_as_blind_spots(
+    root: Path, engine_id: str, vouch: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not uninspectable_pids():
+        pytest.skip("every process on this machine can be inspected")
+    leave_orphan(root, engine_id)
+    code, out, err = run(capsys, "scan", "--root", str(root), "--grace", "0", "--json", *vouch)
+    doc = json.loads(out)
+    assert code == 1
+    assert doc["assumed_not_holding"] == sorted(uninspectable_pids())
+    assert {u["pid"] for u in doc["uninspected"]} >= set(uninspectable_pids())
+    assert "could not inspect" not in err

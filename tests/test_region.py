@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -390,3 +391,45 @@ def test_crash_registry_stages_are_all_region_points() -> None:
     from kvoffload import faults
 
     assert set(CRASH_RESIDUE) == {n for n in faults.names() if n.startswith("region.")}
+
+
+def test_a_directory_at_the_region_name_is_a_clear_region_error(engine_id: str) -> None:
+    path = SHM / f"vllm_offload_{engine_id}.mmap"
+    path.mkdir()
+    try:
+        with pytest.raises(RegionError, match="is a directory"):
+            make(engine_id)
+    finally:
+        path.rmdir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create another user's file")
+def test_another_users_file_at_the_region_name_is_a_clear_region_error(engine_id: str) -> None:
+    path = SHM / f"vllm_offload_{engine_id}.mmap"
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    os.chown(path, 65534, 65534)
+    child = subprocess.run(
+        [sys.executable, "-c", JOIN_AS_NOBODY, engine_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    try:
+        assert child.returncode == 0, child.stderr
+        assert "belongs to someone else" in child.stdout
+    finally:
+        path.unlink()
+
+
+# A process of uid 1 tries to join a region file owned by uid 65534: O_RDWR is refused.
+JOIN_AS_NOBODY = """
+import os, sys
+from kvoffload.errors import RegionError
+from kvoffload.shm.region import SharedOffloadRegion, PAGESIZE
+os.setgid(1); os.setuid(1)
+try:
+    SharedOffloadRegion(sys.argv[1], 4, 0, 2 * PAGESIZE, PAGESIZE)
+except RegionError as e:
+    print(e)
+"""

@@ -323,11 +323,7 @@ class SharedOffloadRegion:
             except FileNotFoundError:
                 continue
             except OSError as e:
-                if e.errno != errno.ELOOP:
-                    raise
-                raise RegionError(
-                    self.path, "is a symbolic link; refusing to follow it", fix="remove the link"
-                ) from None
+                raise self._join_error(e) from None
         else:
             raise CreatorFailedError(self.path, "the file kept vanishing between create and join")
         undo.callback(self.journal.quietly, f"close fd of {self.path.name}", self._close_fd)
@@ -347,6 +343,20 @@ class SharedOffloadRegion:
             fcntl.flock(self._fd, fcntl.LOCK_SH)
             if os.fstat(self._fd).st_nlink == 0:
                 raise CreatorFailedError(self.path, "was removed while this participant joined")
+
+    def _join_error(self, error: OSError) -> RegionError:
+        """Why an existing entry at the region's name cannot be joined, with the fix."""
+        if error.errno == errno.ELOOP:
+            return RegionError(self.path, "is a symbolic link; refusing to follow it", fix="remove the link")
+        if error.errno == errno.EISDIR:
+            return RegionError(self.path, "is a directory, not a region file", fix="remove or rename it")
+        if error.errno in (errno.EACCES, errno.EPERM):
+            return RegionError(
+                self.path,
+                "exists and belongs to someone else (permission denied)",
+                fix="`shmctl scan --all-users` shows whose it is; pick another engine_id or remove it",
+            )
+        return RegionError(self.path, f"cannot be joined: {error.strerror}")
 
     def _size_as_creator(self, memory_check: Callable[[int], object] | None) -> None:
         faults.point("region.space")

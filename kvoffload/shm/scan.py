@@ -158,6 +158,13 @@ class ScanReport:
     uninspected: tuple[Uninspected, ...]
     #: Region files that were unlinked but are still mapped or open, per process.
     deleted: tuple[DeletedMapping, ...]
+    #: Pids the operator vouched for (``--assume-not-holding``): not counted as blind spots.
+    assumed_not_holding: tuple[int, ...] = ()
+
+    @property
+    def blind_spots(self) -> tuple[Uninspected, ...]:
+        """Uninspected processes nobody vouched for: what can keep files ``unknown``."""
+        return tuple(u for u in self.uninspected if u.pid not in self.assumed_not_holding)
 
     def with_status(self, status: Status) -> tuple[ScanEntry, ...]:
         return tuple(e for e in self.entries if e.status is status)
@@ -251,6 +258,7 @@ def scan(
         summary=ScanSummary.of(entries, len(index.uninspected)),
         uninspected=index.uninspected,
         deleted=index.deleted,
+        assumed_not_holding=tuple(sorted(assume_not_holding)),
     )
 
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from shmctl.render import console, emit_json, human_bytes, plain_output, warning_line
+from shmctl.render import console, emit_json, human_bytes, plain_output, printable, warning_line
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -71,17 +71,19 @@ def _cell(value: object) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.3f}"
-    return str(value)
+    return printable(str(value), escape_backslash=False)
 
 
 def _write(text: str) -> None:
-    sys.stdout.write(text + "\n")
+    # Engine ids and paths may carry control characters: one report line stays one line.
+    sys.stdout.write(printable(text, escape_backslash=False) + "\n")
 
 
 def _line(out: Console, text: str, style: str | None = None) -> None:
     if plain_output():
         _write(text)
         return
+    text = printable(text, escape_backslash=False)
     if style is None:
         out.print(text, markup=False, highlight=False)
         return
@@ -228,9 +230,12 @@ def announce_hold(live: LiveEngine) -> None:
     err = console(stderr=True)
     pids = ", ".join(f"{name} pid {pid}" for name, pid in live.pids.items())
     files = ", ".join(str(f) for f in live.files) or "none visible (the path is already unlinked)"
-    err.print(f"engine {live.engine_id} is up: {pids}", markup=False, highlight=False)
-    err.print(f"region files in {live.root}: {files}", markup=False, highlight=False)
-    err.print(f"path: {live.path_lifetime}", markup=False, highlight=False)
+    for line in (
+        f"engine {live.engine_id} is up: {pids}",
+        f"region files in {live.root}: {files}",
+        f"path: {live.path_lifetime}",
+    ):
+        err.print(printable(line, escape_backslash=False), markup=False, highlight=False)
     err.print(
         f"`shmctl scan --root {live.root}` in another terminal shows it; Ctrl-C tears it down",
         markup=False,

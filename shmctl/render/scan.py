@@ -208,12 +208,13 @@ def _deleted_table(out: Console, report: ScanReport) -> None:
 
 
 def _warn_blind_spots(report: ScanReport) -> None:
-    if not report.summary.unknown or not report.uninspected:
+    blind = report.blind_spots
+    if not report.summary.unknown or not blind:
         return
-    shown = "; ".join(u.describe() for u in report.uninspected[:3])
-    more = f" and {len(report.uninspected) - 3} more" if len(report.uninspected) > 3 else ""
+    shown = "; ".join(u.describe() for u in blind[:3])
+    more = f" and {len(blind) - 3} more" if len(blind) > 3 else ""
     warning_line(
-        f"could not inspect {len(report.uninspected)} process(es): {shown}{more}. Files they could hold "
+        f"could not inspect {len(blind)} process(es): {shown}{more}. Files they could hold "
         "are 'unknown' and never reaped; run as root in the engines' PID namespace, or vouch for a "
         "process with --assume-not-holding PID"
     )
