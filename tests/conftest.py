@@ -76,3 +76,26 @@ def _leaves_shm_as_found() -> Iterator[None]:
 def engine_id() -> str:
     """A unique engine id so tests never collide with each other or a real engine."""
     return f"kvtest-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    """A private directory on the real /dev/shm tmpfs, removed with everything in it."""
+    from tests.procs import shm_dir
+
+    with shm_dir() as path:
+        yield path
+
+
+@pytest.fixture(scope="session")
+def vouched() -> frozenset[int]:
+    """Processes outside the tests' control that cannot be inspected (a container's init)."""
+    from tests.procs import uninspectable_pids
+
+    return uninspectable_pids()
+
+
+@pytest.fixture(scope="session")
+def vouch(vouched: frozenset[int]) -> list[str]:
+    """The same, as CLI arguments."""
+    return [arg for pid in sorted(vouched) for arg in ("--assume-not-holding", str(pid))]

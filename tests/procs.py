@@ -27,8 +27,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from kvoffload.shm import names
+
+if TYPE_CHECKING:
+    from kvoffload.shm.scan import ScanEntry, ScanReport
 
 REPO = Path(__file__).resolve().parent.parent
 SIZE = 1 << 20
@@ -232,3 +236,10 @@ def churn(root: Path, seconds: float, seed: int = 0) -> subprocess.Popen[str]:
         cwd=REPO,
         text=True,
     )
+
+
+def entry(report: ScanReport, name: str) -> ScanEntry:
+    """The one scan entry named ``name``."""
+    found = [e for e in report.entries if e.name == name]
+    assert len(found) == 1, [e.name for e in report.entries]
+    return found[0]

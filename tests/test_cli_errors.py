@@ -21,7 +21,6 @@ import typer.main
 
 from shmctl.app import app
 from tests.hostile import shmctl
-from tests.procs import shm_dir
 
 USAGE, RUNTIME = 2, 3
 ROOT = "{root}"  # replaced by the test's own root
@@ -150,12 +149,6 @@ EXTRA_CASES = [
     Case("audit", ("audit", "--root", ROOT, "--settle", "-1s", "--", "true"), USAGE, "--settle"),
     Case("init", (*["init", *CONTEXT["init"]], "--fail-at", "no-such-point"), USAGE, "no-such-point"),
 ]
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with shm_dir() as path:
-        yield path
 
 
 def _untagged_shm() -> set[str]:

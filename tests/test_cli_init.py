@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +20,12 @@ import pytest
 from kvoffload.config import PAGESIZE
 from kvoffload.shm import names
 from shmctl.app import main
-from tests.procs import REPO, shm_dir, uninspectable_pids
+from tests.procs import REPO, uninspectable_pids
 
 pytest.importorskip("torch")
 
 MIB = 1 << 20
 BYTES_PER_BLOCK = str(4 * PAGESIZE)
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with shm_dir() as path:
-        yield path
 
 
 def kv_config(engine_id: str, spec: str = "TieringOffloadingSpec", **extra: Any) -> str:

@@ -9,7 +9,6 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from kvoffload.durations import parse_duration
 from kvoffload.errors import ConfigError
 from shmctl.app import main
-from tests.procs import REPO, Child, leave_orphan, region_path, shm_dir, uninspectable_pids, write_file
+from tests.procs import REPO, Child, leave_orphan, region_path, uninspectable_pids, write_file
 
 STATUSES = {"live", "orphaned", "starting", "unknown", "skipped"}
 ENTRY_KEYS = {
@@ -34,17 +33,6 @@ ENTRY_KEYS = {
     "holders",
     "owner",
 }
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with shm_dir() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def vouch() -> list[str]:
-    return [arg for pid in sorted(uninspectable_pids()) for arg in ("--assume-not-holding", str(pid))]
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

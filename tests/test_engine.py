@@ -31,19 +31,13 @@ from kvoffload.presets import PRESETS, get_preset
 from kvoffload.shm import names
 from kvoffload.shm.reap import ReapFilter, reap
 from kvoffload.shm.scan import Status, scan
-from tests.procs import shm_dir, uninspectable_pids
+from tests.procs import uninspectable_pids
 
 torch = pytest.importorskip("torch")
 
 CPU, TIERING = "CPUOffloadingSpec", "TieringOffloadingSpec"
 KV_BYTES_PER_BLOCK = 4 * PAGESIZE
 MIB = 1 << 20
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with shm_dir() as path:
-        yield path
 
 
 def make_config(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,7 @@ from kvoffload.shm.holders import (
     parse_locks,
     parse_maps,
 )
-from tests.procs import Child, region_path, shm_dir, write_file
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with shm_dir() as path:
-        yield path
+from tests.procs import Child, region_path, write_file
 
 
 def key(path: Path) -> tuple[int, int]:

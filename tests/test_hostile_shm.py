@@ -33,25 +33,9 @@ from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
 from kvoffload.shm.scan import ScanEntry, ScanReport, Status, scan
 from shmctl.app import main
 from tests.hostile import ForeignHolder, ProcGate, as_user, fill, shmctl, small_tmpfs
-from tests.procs import REPO, Child, region_path, shm_dir, uninspectable_pids, write_file
+from tests.procs import REPO, Child, entry, region_path, shm_dir, write_file
 
 KEPT_CHANGED = "kept: the name changed just before removal"
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with shm_dir() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def vouched() -> frozenset[int]:
-    return uninspectable_pids()
-
-
-@pytest.fixture(scope="module")
-def vouch(vouched: frozenset[int]) -> list[str]:
-    return [arg for pid in sorted(vouched) for arg in ("--assume-not-holding", str(pid))]
 
 
 @pytest.fixture
@@ -59,12 +43,6 @@ def outside() -> Iterator[Path]:
     """Another directory on the same tmpfs: hard links can reach it, reaps of ``root`` cannot."""
     with shm_dir() as path:
         yield path
-
-
-def entry(report: ScanReport, name: str) -> ScanEntry:
-    found = [e for e in report.entries if e.name == name]
-    assert len(found) == 1, [e.name for e in report.entries]
-    return found[0]
 
 
 def fingerprint(path: Path) -> tuple[int, int, int, int, bytes]:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,28 +22,11 @@ import pytest
 from kvoffload.shm import procfs
 from kvoffload.shm.holders import collect_holders
 from kvoffload.shm.reap import ReapFilter, reap
-from kvoffload.shm.scan import ScanEntry, ScanReport, Status, scan
+from kvoffload.shm.scan import ScanReport, Status, scan
 from tests.hostile import GATE_PID, ProcGate, ZombieLeader
-from tests.procs import REPO, Child, leave_orphan, region_path, shm_dir, uninspectable_pids, write_file
+from tests.procs import REPO, Child, entry, leave_orphan, region_path, write_file
 
 IN_OWN_PID_NS = ("unshare", "--pid", "--fork", "--mount-proc")
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with shm_dir() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def vouched() -> frozenset[int]:
-    return uninspectable_pids()
-
-
-def entry(report: ScanReport, name: str) -> ScanEntry:
-    found = [e for e in report.entries if e.name == name]
-    assert len(found) == 1, [e.name for e in report.entries]
-    return found[0]
 
 
 def judge(root: Path, vouched: frozenset[int]) -> ScanReport:

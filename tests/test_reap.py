@@ -20,21 +20,8 @@ from tests.procs import (
     leave_orphan,
     region_path,
     shm_dir,
-    uninspectable_pids,
     write_file,
 )
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with shm_dir() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def vouched() -> frozenset[int]:
-    return uninspectable_pids()
-
 
 EVERYTHING = ReapFilter()
 

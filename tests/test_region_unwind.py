@@ -13,7 +13,6 @@ import gc
 import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +34,9 @@ from kvoffload.release import Journal
 from kvoffload.shm import names
 from kvoffload.shm.owner import OwnerRecord, write_owner
 from kvoffload.shm.region import SharedOffloadRegion
-from tests.procs import shm_dir, write_file
+from tests.procs import write_file
 
 SEGMENTS = 4
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with shm_dir() as path:
-        yield path
 
 
 def make(engine_id: str, root: Path, **kwargs: Any) -> SharedOffloadRegion:

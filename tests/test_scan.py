@@ -15,34 +15,17 @@ import pytest
 
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.shm import owner
-from kvoffload.shm.scan import ScanEntry, ScanReport, Status, scan
+from kvoffload.shm.scan import ScanReport, Status, scan
 from tests.procs import (
     REPO,
     Child,
+    entry,
     leave_orphan,
     region_path,
     shm_dir,
     uninspectable_pids,
     write_file,
 )
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    with shm_dir() as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def vouched() -> frozenset[int]:
-    """Processes outside the test's control that cannot be inspected (see procs.uninspectable_pids)."""
-    return uninspectable_pids()
-
-
-def entry(report: ScanReport, name: str) -> ScanEntry:
-    found = [e for e in report.entries if e.name == name]
-    assert len(found) == 1, [e.name for e in report.entries]
-    return found[0]
 
 
 def judge(root: Path, vouched: frozenset[int], *, all_users: bool = False) -> ScanReport:
