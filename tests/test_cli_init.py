@@ -390,3 +390,12 @@ def test_importing_the_init_command_loads_neither_torch_nor_numpy_nor_multiproce
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_an_engine_id_with_control_characters_cannot_forge_report_lines(
+    capsys: pytest.CaptureFixture[str], root: Path, engine_id: str
+) -> None:
+    code, out, _ = init(capsys, root, kv_config(f"{engine_id}\nforged\tline"), "--dry-run")
+    assert code == 0
+    assert not any(line.startswith("forged") for line in out.splitlines())
+    assert f"{engine_id}\\nforged\\tline" in out

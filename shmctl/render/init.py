@@ -74,16 +74,21 @@ def _cell(value: object) -> str:
     return printable(str(value), escape_backslash=False)
 
 
+def _fields(text: str) -> str:
+    """Escape control characters field by field: our tabs separate columns, theirs must not."""
+    return "\t".join(printable(field, escape_backslash=False) for field in text.split("\t"))
+
+
 def _write(text: str) -> None:
     # Engine ids and paths may carry control characters: one report line stays one line.
-    sys.stdout.write(printable(text, escape_backslash=False) + "\n")
+    sys.stdout.write(_fields(text) + "\n")
 
 
 def _line(out: Console, text: str, style: str | None = None) -> None:
     if plain_output():
         _write(text)
         return
-    text = printable(text, escape_backslash=False)
+    text = _fields(text)
     if style is None:
         out.print(text, markup=False, highlight=False)
         return
