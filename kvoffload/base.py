@@ -18,7 +18,7 @@ import enum
 import logging
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
@@ -166,27 +166,6 @@ class TransferResult:
     transfer_time: float | None = None
 
 
-def release_all(steps: Iterable[tuple[str, Callable[[], object]]]) -> None:
-    """Run every release step even when one fails; raise the first failure at the end.
-
-    Each failure is logged as it happens; the later ones are attached to the first as
-    notes, so the caller sees one exception that lists everything that went wrong.
-    ``BaseException`` is caught too: a Ctrl-C in the middle of a shutdown still releases
-    the rest before it propagates.
-    """
-    errors: list[BaseException] = []
-    for what, step in steps:
-        try:
-            step()
-        except BaseException as e:
-            log.exception("release step failed: %s", what)
-            errors.append(e)
-    if errors:
-        for extra in errors[1:]:
-            errors[0].add_note(f"also failed while releasing: {extra!r}")
-        raise errors[0]
-
-
 class ShutdownOnExit:
     """``with`` support for objects whose ``shutdown`` releases everything they own."""
 
@@ -309,5 +288,4 @@ __all__ = [
     "get_offload_block_hash",
     "get_offload_group_idx",
     "make_offload_key",
-    "release_all",
 ]

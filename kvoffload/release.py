@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -46,3 +46,29 @@ class Journal:
     def record(self, what: str, error: BaseException | None = None) -> None:
         text = None if error is None else f"{type(error).__name__}: {error}"
         self.steps.append(ReleaseStep(what, error is None, text, time.time()))
+
+
+def release_all(steps: Iterable[tuple[str, Callable[[], object]]], *, journal: Journal | None = None) -> None:
+    """Run every release step even when one fails; raise the first failure at the end.
+
+    Each failure is logged as it happens (and journaled, with a journal); the later ones are
+    attached to the first as notes, so the caller sees one exception that lists everything
+    that went wrong. ``BaseException`` is caught too: a Ctrl-C in the middle of a shutdown
+    still releases the rest before it propagates.
+    """
+    errors: list[BaseException] = []
+    for what, step in steps:
+        try:
+            step()
+        except BaseException as e:
+            log.exception("release step failed: %s", what)
+            if journal is not None:
+                journal.record(what, e)
+            errors.append(e)
+        else:
+            if journal is not None:
+                journal.record(what)
+    if errors:
+        for extra in errors[1:]:
+            errors[0].add_note(f"also failed while releasing: {extra!r}")
+        raise errors[0]

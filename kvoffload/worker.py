@@ -43,9 +43,9 @@ from kvoffload.base import (
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
-    release_all,
 )
 from kvoffload.errors import ConfigError, KvOffloadError
+from kvoffload.release import release_all
 
 if TYPE_CHECKING:
     import torch

@@ -57,7 +57,7 @@ from kvoffload.errors import (
     RegionReleasedError,
     RootError,
 )
-from kvoffload.release import Journal
+from kvoffload.release import Journal, release_all
 from kvoffload.shm import names
 from kvoffload.shm.owner import OwnerRecord, read_owner, write_owner
 
@@ -661,33 +661,22 @@ class SharedOffloadRegion:
         if self._released:
             return
         self._released = True
-        errors: list[BaseException] = []
-
-        def step(what: str, fn: Callable[[], object]) -> None:
-            try:
-                fn()
-            except Exception as e:
-                log.exception("region cleanup step failed: %s (%s)", what, self.path)
-                self.journal.record(what, e)
-                errors.append(e)
-            else:
-                self.journal.record(what)
-
         name = self.path.name
+        steps: list[tuple[str, Callable[[], object]]] = [
+            (f"unmap {name}", self._unmap_reporting_faults),
+            (f"close fd of {name}", self._close_fd),
+        ]
+        if self.creator and not self.unlinked and self._names_still_ours():
+            steps.append((f"unlink {name} (creator)", self._unlink_created))
+        steps.append((f"close root fd of {name}", self._close_dir_fd))
+        release_all(steps, journal=self.journal)
+
+    def _unmap_reporting_faults(self) -> None:
+        # Fault point ``cleanup.region``: the step reports a failure, the unmap still happens.
         try:
             faults.point("cleanup.region")
-        except Exception as e:  # an injected cleanup failure: reported, and the release goes on
-            self.journal.record("cleanup.region fault point", e)
-            errors.append(e)
-        step(f"unmap {name}", self._close_mapping)
-        step(f"close fd of {name}", self._close_fd)
-        if self.creator and not self.unlinked and self._names_still_ours():
-            step(f"unlink {name} (creator)", self._unlink_created)
-        step(f"close root fd of {name}", self._close_dir_fd)
-        if errors:
-            for extra in errors[1:]:
-                errors[0].add_note(f"also failed during cleanup: {extra!r}")
-            raise errors[0]
+        finally:
+            self._close_mapping()
 
     def _close_mapping(self) -> None:
         # Views hold exports of the buffer; drop ours first or close() raises BufferError.

@@ -46,10 +46,10 @@ from kvoffload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
-    release_all,
 )
 from kvoffload.cpu.manager import CPUOffloadingManager
 from kvoffload.errors import ConfigError, KvOffloadError
+from kvoffload.release import release_all
 from kvoffload.tiering.base import SecondaryTierManager, TransferJob
 
 log = logging.getLogger(__name__)
