@@ -116,3 +116,12 @@ def vouched() -> frozenset[int]:
 def vouch(vouched: frozenset[int]) -> list[str]:
     """The same, as CLI arguments."""
     return [arg for pid in sorted(vouched) for arg in ("--assume-not-holding", str(pid))]
+
+
+@pytest.fixture
+def victim() -> Iterator[Path]:
+    """A file outside the root that a hostile region name points at; it must survive."""
+    from tests.procs import shm_dir, write_file
+
+    with shm_dir() as elsewhere:
+        yield write_file(elsewhere / "victim")

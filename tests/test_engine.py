@@ -73,10 +73,6 @@ def stage(report: InitReport, participant: str, name: str) -> Any:
     return found[0]
 
 
-def vouched() -> frozenset[int]:
-    return uninspectable_pids()
-
-
 # ----------------------------------------------------------------- plan
 
 
@@ -403,9 +399,11 @@ def test_crash_at_secondary_leaves_the_region_that_scan_calls_orphaned_and_reap_
     assert report.crash.killed == ("worker 0", "worker 1")
     assert report.crash.orphans == (region_file(config),)
     assert report.crash.reap_command == f"shmctl reap --root {root} --engine {engine_id} --grace 0 --yes"
-    found = {e.name: e.status for e in scan(root, grace_s=0, assume_not_holding=vouched()).entries}
+    found = {e.name: e.status for e in scan(root, grace_s=0, assume_not_holding=uninspectable_pids()).entries}
     assert found == {region_file(config).name: Status.ORPHANED}
-    removed = reap(root, grace_s=0, filters=ReapFilter(engine_id=engine_id), assume_not_holding=vouched())
+    removed = reap(
+        root, grace_s=0, filters=ReapFilter(engine_id=engine_id), assume_not_holding=uninspectable_pids()
+    )
     assert [e.path for e in removed.removed] == [region_file(config)]
     assert measure_residue(root, engine_id).paths == ()
 
@@ -426,7 +424,9 @@ def test_hold_keeps_the_engine_live_for_scan_until_released(engine_id: str, root
     seen: list[tuple[LiveEngine, dict[str, Status]]] = []
 
     def look(live: LiveEngine) -> None:
-        statuses = {e.name: e.status for e in scan(root, grace_s=0, assume_not_holding=vouched()).entries}
+        statuses = {
+            e.name: e.status for e in scan(root, grace_s=0, assume_not_holding=uninspectable_pids()).entries
+        }
         seen.append((live, statuses))
 
     report = bring_up(config, hold=look, hold_s=0.2, roundtrip=False)
@@ -563,7 +563,7 @@ def test_matrix_crash_cells_are_scanned_and_reaped(engine_id: str, root: Path) -
         stages=["region.truncate", "secondary.0", "cleanup.primary"],
         modes=[],
         include_crash=True,
-        assume_not_holding=vouched(),
+        assume_not_holding=uninspectable_pids(),
     )
     by_stage = {c.stage: c for c in report.cells}
     assert all(c.passed for c in report.cells)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,6 @@ from tests.procs import (
     churn,
     leave_orphan,
     region_path,
-    shm_dir,
     write_file,
 )
 
@@ -154,12 +153,6 @@ def test_a_region_with_a_held_segment_is_not_reaped(
     assert base.exists()
     assert segment.exists()
     reap_now(root, vouched)
-
-
-@pytest.fixture
-def victim() -> Iterator[Path]:
-    with shm_dir() as elsewhere:
-        yield write_file(elsewhere / "victim")
 
 
 def test_a_symlink_to_a_victim_is_left_alone_and_the_victim_survives(

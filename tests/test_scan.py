@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,6 @@ from tests.procs import (
     entry,
     leave_orphan,
     region_path,
-    shm_dir,
     uninspectable_pids,
     write_file,
 )
@@ -180,12 +179,6 @@ def test_only_region_names_are_listed(root: Path, engine_id: str, vouched: froze
     hisparse = write_file(root / "vllm_offload_hisparse_1716230400123456789_dp0_dp1.mmap")
     report = judge(root, vouched)
     assert [e.name for e in report.entries] == [legacy.name, hisparse.name]
-
-
-@pytest.fixture
-def victim() -> Iterator[Path]:
-    with shm_dir() as elsewhere:
-        yield write_file(elsewhere / "victim")
 
 
 def test_a_symlink_with_a_region_name_is_skipped_and_never_followed(
