@@ -29,9 +29,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from kvoffload.shm.holders import collect_holders
-from kvoffload.shm.reap import reap
-from kvoffload.shm.scan import Status, scan
+from kvoffload.liveness.holders import collect_holders
+from kvoffload.liveness.reap import reap
+from kvoffload.liveness.scan import Status, scan
 
 _HOLDER = r"""
 import ctypes, mmap, os, sys

@@ -266,7 +266,7 @@ class ZombieLeader:
         return self.proc.pid
 
     def state(self) -> str:
-        from kvoffload.shm import procfs
+        from kvoffload import procfs
 
         return procfs.read_stat(self.pid).state
 

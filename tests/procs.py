@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from kvoffload.shm import names
 
 if TYPE_CHECKING:
-    from kvoffload.shm.scan import ScanEntry, ScanReport
+    from kvoffload.liveness.scan import ScanEntry, ScanReport
 
 REPO = Path(__file__).resolve().parent.parent
 SIZE = 1 << 20
@@ -160,7 +160,7 @@ def uninspectable_pids() -> frozenset[int]:
     Tests that need a verdict other than ``unknown`` on the real ``/proc`` vouch for them,
     as an operator would with ``--assume-not-holding``; the tests of ``unknown`` do not.
     """
-    from kvoffload.shm.holders import collect_holders
+    from kvoffload.liveness.holders import collect_holders
 
     return frozenset(u.pid for u in collect_holders(inodes=()).uninspected if u.pid != os.getpid())
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.shm.audit import audit
-from kvoffload.shm.scan import scan
+from kvoffload.liveness.audit import audit
+from kvoffload.liveness.scan import scan
 
 SHM = Path("/dev/shm")
 

@@ -27,10 +27,10 @@ from kvoffload.engine.inputs import load_config, read_kv_transfer_config
 from kvoffload.engine.plan import CREATOR_ONLY, SCHEDULER, WORKER, plan_stages, stage_sides
 from kvoffload.engine.report import ErrorInfo, InitReport, measure_residue
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault, RootError
+from kvoffload.liveness.reap import ReapFilter, reap
+from kvoffload.liveness.scan import Status, scan
 from kvoffload.presets import PRESETS, get_preset
 from kvoffload.shm import names
-from kvoffload.shm.reap import ReapFilter, reap
-from kvoffload.shm.scan import Status, scan
 from tests.procs import uninspectable_pids
 
 torch = pytest.importorskip("torch")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.shm import procfs
-from kvoffload.shm.holders import (
+from kvoffload import procfs
+from kvoffload.liveness.holders import (
     Uninspected,
     collect_holders,
     parse_dev,

@@ -27,10 +27,10 @@ import pytest
 
 from kvoffload import faults
 from kvoffload.errors import InsufficientSpaceError
+from kvoffload.liveness.reap import reap
+from kvoffload.liveness.scan import ScanEntry, ScanReport, Status, scan
 from kvoffload.shm import names
-from kvoffload.shm.reap import reap
 from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
-from kvoffload.shm.scan import ScanEntry, ScanReport, Status, scan
 from shmctl.app import main
 from tests.hostile import ForeignHolder, ProcGate, as_user, fill, shmctl, small_tmpfs
 from tests.procs import REPO, Child, entry, region_path, shm_dir, write_file

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.shm.reap import reap
+from kvoffload.liveness.reap import reap
 from tests.procs import REPO, shm_dir, uninspectable_pids
 
 WORKERS = 4

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.shm import procfs
-from kvoffload.shm.holders import collect_holders
-from kvoffload.shm.reap import ReapFilter, reap
-from kvoffload.shm.scan import ScanReport, Status, scan
+from kvoffload import procfs
+from kvoffload.liveness.holders import collect_holders
+from kvoffload.liveness.reap import ReapFilter, reap
+from kvoffload.liveness.scan import ScanReport, Status, scan
 from tests.hostile import GATE_PID, ProcGate, ZombieLeader
 from tests.procs import REPO, Child, entry, leave_orphan, region_path, write_file
 
@@ -102,8 +102,8 @@ creator.stdout.close()
 with open("/proc/sys/kernel/ns_last_pid", "w") as f:
     f.write(str(creator.pid - 1))
 reuser = subprocess.Popen(["sleep", "60"])
-from kvoffload.shm.reap import ReapFilter, reap
-from kvoffload.shm.scan import scan
+from kvoffload.liveness.reap import ReapFilter, reap
+from kvoffload.liveness.scan import scan
 e = scan(root, grace_s=0).entries[0]
 removed = reap(root, grace_s=0, filters=ReapFilter(owner_pid=creator.pid)).removed
 reuser.kill()

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvoffload.errors import ConfigError
+from kvoffload.liveness.reap import ReapFilter, ReapReport, reap
+from kvoffload.liveness.scan import ScanEntry, Status
 from kvoffload.shm import owner
-from kvoffload.shm.reap import ReapFilter, ReapReport, reap
-from kvoffload.shm.scan import ScanEntry, Status
 from tests.procs import (
     Child,
     churn,

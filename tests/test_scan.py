@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvoffload.errors import ConfigError, RootError
+from kvoffload.liveness.scan import ScanReport, Status, scan
 from kvoffload.shm import owner
-from kvoffload.shm.scan import ScanReport, Status, scan
 from tests.procs import (
     REPO,
     Child,
@@ -318,7 +318,7 @@ def test_a_user_who_cannot_inspect_roots_processes_gets_unknown_not_orphaned(
     os.chown(path, 65534, 65534)
     with Child("fd-only", path):  # a root process holds it; uid 65534 cannot see that
         result = run_as_nobody(
-            "from kvoffload.shm.scan import scan\n"
+            "from kvoffload.liveness.scan import scan\n"
             "def result(root):\n"
             "    e = scan(root, grace_s=0).entries[0]\n"
             "    return {'status': e.status.value, 'reason': e.reason}\n",
@@ -331,7 +331,7 @@ def test_a_user_who_cannot_inspect_roots_processes_gets_unknown_not_orphaned(
 @pytest.mark.root
 def test_all_users_is_refused_to_a_non_root_caller(root: Path) -> None:
     result = run_as_nobody(
-        "from kvoffload.shm.scan import scan\n"
+        "from kvoffload.liveness.scan import scan\n"
         "def result(root):\n"
         "    scan(root, all_users=True)\n"
         "    return {}\n",
@@ -356,7 +356,7 @@ def test_an_unreadable_root_is_a_root_error(tmp_path: Path) -> None:
     locked.mkdir(mode=0o700)
     os.chmod(tmp_path, 0o755)
     result = run_as_nobody(
-        "from kvoffload.shm.scan import scan\ndef result(root):\n    scan(root)\n    return {}\n", locked
+        "from kvoffload.liveness.scan import scan\ndef result(root):\n    scan(root)\n    return {}\n", locked
     )
     assert result["error"].startswith("RootError:")
     assert "permission denied" in str(result["error"])
@@ -384,7 +384,7 @@ def test_a_lock_held_from_a_pid_namespace_we_cannot_see_keeps_the_region_live(
     with Child("region", path):
         # The scanner runs in a new PID namespace: the holder is invisible, its lock is not.
         code = (
-            "import sys; from kvoffload.shm.scan import scan; "
+            "import sys; from kvoffload.liveness.scan import scan; "
             "e = scan(sys.argv[1], grace_s=0).entries[0]; print(e.status.value, e.reason, sep='|')"
         )
         out = subprocess.run(

@@ -125,8 +125,8 @@ def _cell(stage: str, mode: FailMode, report: InitReport, vouched: frozenset[int
 
 def _recover(cell: MatrixCell, report: InitReport, vouched: frozenset[int]) -> MatrixCell:
     """What an operator does after a crash: scan (the files must be orphaned), then reap."""
-    from kvoffload.shm.reap import ReapFilter, reap
-    from kvoffload.shm.scan import Status, scan
+    from kvoffload.liveness.reap import ReapFilter, reap
+    from kvoffload.liveness.scan import Status, scan
 
     ours = {p.name for p in report.residue.paths}
     found = scan(report.root, grace_s=0.0, assume_not_holding=vouched)

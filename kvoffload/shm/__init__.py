@@ -1,1 +1,4 @@
-"""Shared-memory files: names, regions, the owner record, /proc evidence, scan and reap."""
+"""The engine's side of shared memory: region names, the region itself and its owner record.
+
+Judging and removing what engines left is the operator's side: ``kvoffload.liveness``.
+"""

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvoffload.shm import procfs
+from kvoffload import procfs
 
 XATTR_NAME = "user.kvoffload.owner"
 _MAX_RECORD_BYTES = 4096

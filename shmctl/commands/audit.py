@@ -29,7 +29,7 @@ def audit(
 ) -> None:
     """Run COMMAND; fail (exit 1) if it leaves vllm_offload_* files or mapped-but-deleted regions."""
     from kvoffload.durations import parse_duration
-    from kvoffload.shm.audit import audit as run_audit
+    from kvoffload.liveness.audit import audit as run_audit
     from shmctl.exit import ExitStatus
     from shmctl.render import audit as render
 

@@ -28,7 +28,7 @@ def metrics(
     import time
 
     from kvoffload.durations import parse_duration
-    from kvoffload.shm.scan import scan
+    from kvoffload.liveness.scan import scan
     from shmctl.render import metrics as render
 
     started = time.monotonic()

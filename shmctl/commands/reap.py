@@ -76,7 +76,7 @@ def reap(
 
     from kvoffload.durations import parse_duration
     from kvoffload.errors import ConfigError
-    from kvoffload.shm import reap as library
+    from kvoffload.liveness import reap as library
     from shmctl.exit import ExitStatus
     from shmctl.render import scan as render
 

@@ -69,8 +69,8 @@ def scan(
 ) -> None:
     """Tell live region files from orphans by kernel evidence (holders, locks), never by age."""
     from kvoffload.durations import parse_duration
-    from kvoffload.shm.scan import Status
-    from kvoffload.shm.scan import scan as run_scan
+    from kvoffload.liveness.scan import Status
+    from kvoffload.liveness.scan import scan as run_scan
     from shmctl.exit import ExitStatus
     from shmctl.render import scan as render
 

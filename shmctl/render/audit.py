@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from kvoffload.shm.audit import AuditReport
+from kvoffload.liveness.audit import AuditReport
 from shmctl.render import console, emit_json, human_bytes, printable
 
 

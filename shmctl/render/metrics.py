@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvoffload.errors import RootError
-from kvoffload.shm.scan import ScanReport, Status
+from kvoffload.liveness.scan import ScanReport, Status
 
 FILENAME = "shmctl.prom"
 

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvoffload.shm.holders import Holder
-from kvoffload.shm.reap import ReapReport
-from kvoffload.shm.scan import ScanEntry, ScanReport, ScanSummary, Status
+from kvoffload.liveness.holders import Holder
+from kvoffload.liveness.reap import ReapReport
+from kvoffload.liveness.scan import ScanEntry, ScanReport, ScanSummary, Status
 from shmctl.render import console, emit_json, human_age, human_bytes, plain_output, printable, warning_line
 
 if TYPE_CHECKING:

@@ -36,7 +36,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvoffload.shm import names, procfs
+from kvoffload import procfs
+from kvoffload.shm import names
 
 #: ``CAP_DAC_OVERRIDE`` (1) and ``CAP_DAC_READ_SEARCH`` (2): either lets a process open a
 #: file whose mode bits would refuse it.

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload.errors import ConfigError
-from kvoffload.shm.holders import DeletedMapping
-from kvoffload.shm.scan import DEFAULT_ROOT, ScanEntry, scan
+from kvoffload.liveness.holders import DeletedMapping
+from kvoffload.liveness.scan import DEFAULT_ROOT, ScanEntry, scan
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,10 +37,10 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvoffload import procfs
 from kvoffload.errors import ConfigError
-from kvoffload.shm import procfs
-from kvoffload.shm.holders import HolderIndex, collect_holders
-from kvoffload.shm.scan import (
+from kvoffload.liveness.holders import HolderIndex, collect_holders
+from kvoffload.liveness.scan import (
     DEFAULT_GRACE_S,
     DEFAULT_ROOT,
     SCHEMA_VERSION,

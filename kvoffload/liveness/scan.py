@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from kvoffload import procfs
 from kvoffload.errors import ConfigError, RootError
-from kvoffload.shm import names, procfs
-from kvoffload.shm.holders import DeletedMapping, Holder, HolderIndex, Uninspected, collect_holders
+from kvoffload.liveness.holders import DeletedMapping, Holder, HolderIndex, Uninspected, collect_holders
+from kvoffload.shm import names
 from kvoffload.shm.owner import OwnerRecord, judge_owner, read_owner
 
 DEFAULT_ROOT = Path("/dev/shm")
