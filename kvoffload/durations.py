@@ -2,7 +2,10 @@
 
 A bare number is seconds. Units may be combined from largest to smallest, each at most
 once (``1d12h``, ``2m30s``); fractions are allowed (``1.5h``). A duration is never
-negative. The error names the option it came from, so the CLI can print one line.
+negative and never longer than ``MAX_DURATION_S`` (366 days): every duration here is a
+wait, a grace or an age, and past that it is a typo; far past it ``time.sleep`` and
+deadline arithmetic overflow. The error names the option it came from, so the CLI can
+print one line.
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ _ORDER = ("w", "d", "h", "m", "s", "ms")
 _TERM = re.compile(r"(?P<value>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?P<unit>ms|[wdhms])")
 _BARE = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 EXAMPLES = "30s, 5m, 2h, 1d, 1h30m or a number of seconds"
+#: A year (a leap one): the longest grace, age, settle or timeout anyone means.
+MAX_DURATION_S = 366 * 86400.0
+_MAX_TEXT = "366d"
 
 
 def parse_duration(text: str, *, option: str = "duration") -> float:
     """Seconds in ``text``; ``ConfigError(option, ...)`` when it is not a duration."""
     spec = text.strip().lower().replace(" ", "")
     if _BARE.fullmatch(spec):
-        return _finite(float(spec), text, option)
+        return _bounded(float(spec), text, option)
     if not spec:
         raise ConfigError(option, "empty duration", fix=f"use {EXAMPLES}")
     total = 0.0
@@ -51,10 +57,12 @@ def parse_duration(text: str, *, option: str = "duration") -> float:
         pos = m.end()
     if pos != len(spec):
         raise ConfigError(option, f"{text!r} is not a duration", fix=f"use {EXAMPLES}")
-    return _finite(total, text, option)
+    return _bounded(total, text, option)
 
 
-def _finite(seconds: float, text: str, option: str) -> float:
+def _bounded(seconds: float, text: str, option: str) -> float:
     if not math.isfinite(seconds):
         raise ConfigError(option, f"{text!r} is not a finite duration", fix=f"use {EXAMPLES}")
+    if seconds > MAX_DURATION_S:
+        raise ConfigError(option, f"{text!r} is more than 366 days", fix=f"use at most {_MAX_TEXT}")
     return seconds

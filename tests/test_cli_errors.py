@@ -130,6 +130,8 @@ def cases() -> Iterator[Case]:
                     yield case(decl, str(minimum - 1), names=decl)
             if param.metavar == "DURATION":
                 yield case(decl, "soon", names=decl)
+                # Past any sane wait: time.sleep and deadline arithmetic would overflow.
+                yield case(decl, "99999999999d", names=decl)
             if _is_path(annotation) and decl == "--root":
                 yield case(decl, "/nonexistent/kvtest-root", code=RUNTIME, names="/nonexistent/kvtest-root")
 

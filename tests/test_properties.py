@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvoffload import faults
 from kvoffload.config import OffloadingConfig
 from kvoffload.cpu.spec import CPUOffloadingSpec
-from kvoffload.durations import parse_duration
+from kvoffload.durations import MAX_DURATION_S, parse_duration
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault
 from kvoffload.shm import names
 from kvoffload.tiering.spec import TieringOffloadingSpec
@@ -135,7 +135,8 @@ DURATION_PIECES = st.lists(
 @given(text=st.one_of(TEXT, DURATION_PIECES))
 @example(text="1" * 400)  # a float that overflows to inf
 @example(text="1" * 400 + "w")
-def test_any_text_is_a_finite_duration_or_a_config_error_naming_the_option(text: str) -> None:
+@example(text="99999999999d")  # finite, but past what time.sleep and a deadline can hold
+def test_any_text_is_a_bounded_duration_or_a_config_error_naming_the_option(text: str) -> None:
     seconds, error = attempt(lambda: parse_duration(text, option="--older-than"), ConfigError)
     if error is not None:
         assert isinstance(error, ConfigError)
@@ -144,7 +145,7 @@ def test_any_text_is_a_finite_duration_or_a_config_error_naming_the_option(text:
         return
     assert seconds is not None
     assert math.isfinite(seconds)
-    assert seconds >= 0
+    assert 0 <= seconds <= MAX_DURATION_S
 
 
 @SETTINGS
@@ -152,12 +153,31 @@ def test_any_text_is_a_finite_duration_or_a_config_error_naming_the_option(text:
     terms=st.lists(st.tuples(st.sampled_from(UNITS), st.integers(0, 10_000)), min_size=1, max_size=6),
     spaced=st.booleans(),
 )
-def test_units_from_largest_to_smallest_add_up(terms: list[tuple[str, int]], spaced: bool) -> None:
+def test_units_from_largest_to_smallest_add_up_to_at_most_the_bound(
+    terms: list[tuple[str, int]], spaced: bool
+) -> None:
     chosen = {unit: value for unit, value in terms}  # each unit at most once
     ordered = [(unit, chosen[unit]) for unit in UNITS if unit in chosen]
     text = (" " if spaced else "").join(f"{value}{unit}" for unit, value in ordered)
     expected = sum(value * SECONDS[unit] for unit, value in ordered)
+    if expected > MAX_DURATION_S:
+        with pytest.raises(ConfigError, match="at most 366d"):
+            parse_duration(text)
+        return
     assert math.isclose(parse_duration(text), expected, rel_tol=1e-12, abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("text", ["366d", "52w2d", "31622400", "31622400s"])
+def test_the_longest_duration_is_366_days(text: str) -> None:
+    assert parse_duration(text) == MAX_DURATION_S == 366 * 86400
+
+
+@pytest.mark.parametrize("text", ["366d1ms", "53w", "31622401", "99999999999d", "1" * 300])
+def test_a_duration_past_366_days_is_refused_naming_the_option_and_the_bound(text: str) -> None:
+    with pytest.raises(ConfigError, match=r"^--settle: .*at most 366d") as info:
+        parse_duration(text, option="--settle")
+    assert info.value.key == "--settle"
+    assert info.value.fix is not None
 
 
 # ---------------------------------------------------------------------- fault grammar
