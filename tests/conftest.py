@@ -13,13 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvoffload import faults
+from tests.procs import TEST_TAG
 
 SHM = Path("/dev/shm")
-
-
-#: Every test-made name carries this tag (engine ids, roots), so the check never trips over a
-#: real engine that starts on the host while the suite runs.
-TEST_TAG = "kvtest-"
 
 
 def _shm_entries() -> set[str]:
@@ -92,7 +88,7 @@ def _leaves_shm_as_found() -> Iterator[None]:
 @pytest.fixture
 def engine_id() -> str:
     """A unique engine id so tests never collide with each other or a real engine."""
-    return f"kvtest-{uuid.uuid4().hex[:12]}"
+    return f"{TEST_TAG}{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture

@@ -35,7 +35,12 @@ if TYPE_CHECKING:
     from kvoffload.liveness.scan import ScanEntry, ScanReport
 
 REPO = Path(__file__).resolve().parent.parent
+#: Every name this test session makes in /dev/shm carries this tag (engine ids, roots), so the
+#: leak checks never trip over a real engine on the host or another pytest session's files.
+TEST_TAG = f"kvtest-{os.getpid():x}{uuid.uuid4().hex[:4]}-"
 SIZE = 1 << 20
+#: The reason of a file the write lease proved nobody holds.
+NOBODY = "no process anywhere has it open or mapped (write lease granted)"
 
 _SCRIPT = r"""
 import ctypes, fcntl, mmap, os, sys
@@ -168,7 +173,7 @@ def uninspectable_pids() -> frozenset[int]:
 @contextmanager
 def shm_dir() -> Iterator[Path]:
     """A private directory on the real /dev/shm tmpfs, removed with everything in it."""
-    path = Path("/dev/shm") / f"kvtest-root-{uuid.uuid4().hex[:12]}"
+    path = Path("/dev/shm") / f"{TEST_TAG}root-{uuid.uuid4().hex[:12]}"
     path.mkdir(mode=0o755)
     try:
         yield path
