@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
 from tests.procs import REPO
 
 GATE_PID = 4242
@@ -43,6 +44,8 @@ class ProcGate:
         (base / "fd").mkdir(parents=True)
         (base / "maps").write_text("")
         (base / "status").write_text("Name:\tgate\nUid:\t0\t0\t0\t0\nCapEff:\t0\nCapPrm:\t0\n")
+        (self.root / "self" / "ns").mkdir(parents=True)
+        (self.root / "self" / "ns" / "pid").symlink_to(INITIAL_PID_NAMESPACE)  # it lists every process
         self._fifo = base / "stat"
         os.mkfifo(self._fifo)
         self._actions = list(actions)

@@ -116,11 +116,11 @@ def test_unknown_files_come_with_a_warning_on_stderr(
     if not uninspectable_pids():
         pytest.skip("every process on this machine can be inspected")
     leave_orphan(root, engine_id)
-    code, out, err = run(capsys, "scan", "--root", str(root), "--grace", "0", "--json")
+    code, out, err = run(capsys, "scan", "--root", str(root), "--grace", "0", "--json", "--no-lease")
     assert code == 0
     assert json.loads(out)["summary"]["unknown"] == 1
     assert err.startswith("shmctl: warning: could not inspect ")
-    assert "--assume-not-holding" in err
+    assert "drop --no-lease" in err
 
 
 def test_a_bad_duration_is_a_usage_error_naming_the_option(

@@ -11,6 +11,7 @@ import pytest
 
 from kvoffload import procfs
 from kvoffload.liveness.holders import (
+    HolderIndex,
     Uninspected,
     collect_holders,
     parse_dev,
@@ -174,15 +175,16 @@ def test_fds_in_a_fake_proc_tree_resolve_to_the_files_they_name(tmp_path: Path) 
     assert [h.pid for h in collect_holders(proc).holders_of(*key(target))] == [100]
 
 
-def test_who_could_have_opened_a_file_that_cannot_be_inspected() -> None:
+def test_every_uninspected_process_is_a_blind_spot_whatever_its_uid_or_the_file_mode() -> None:
+    # A process of another uid may have opened a 0600 file before a chmod or before it
+    # dropped privileges: its uid and the mode excuse nothing.
     other = Uninspected(7, "x", "EACCES", "maps", (1000, 1000, 1000, 1000), False)
-    privileged = Uninspected(1, "init", "EACCES", "maps", (0, 0, 0, 0), True)
-    unreadable = Uninspected(8, "?", "EACCES", "stat")
-    assert not other.could_open(st_uid=0, st_mode=0o100600)
-    assert other.could_open(st_uid=1000, st_mode=0o100600)
-    assert other.could_open(st_uid=0, st_mode=0o100644)
-    assert privileged.could_open(st_uid=1000, st_mode=0o100600)
-    assert unreadable.could_open(st_uid=1000, st_mode=0o100600)
+    init = Uninspected(1, "init", "EACCES", "maps", (0, 0, 0, 0), True)
+    index = HolderIndex(
+        holders={}, deleted=(), uninspected=(other, init), anonymous_locks=frozenset(), processes=0
+    )
+    assert index.blind_spots() == (other, init)
+    assert index.blind_spots(assume_not_holding={1}) == (other,)
 
 
 @pytest.mark.root

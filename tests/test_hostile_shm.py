@@ -236,9 +236,10 @@ def test_reap_keeps_a_name_that_changes_after_its_files_are_locked(
     victim = write_file(outside / "victim")
     before = fingerprint(victim)
     act, status, reason = _late_changes(path, outside)[change]
-    # Pass 0 is reap's scan; pass 1 is its re-check with the files locked (step 4).
+    # Pass 0 is reap's scan; pass 1 is its re-check with the files locked (step 4, the path
+    # without a lease; with one, the same re-lstat runs under the lease instead of a pass).
     with ProcGate(tmp_path, [None, act]) as gate:
-        report = reap(root, grace_s=0, proc_root=gate.root)
+        report = reap(root, grace_s=0, use_lease=False, proc_root=gate.root)
     assert gate.passes == 2
     assert report.removed == ()
     assert [(e.name, e.status, e.reason) for e in report.kept] == [(path.name, status, reason)]
@@ -410,7 +411,7 @@ def test_another_users_live_file_is_kept_even_with_all_users(
 
 
 @pytest.mark.root
-def test_a_non_root_reaper_removes_neither_roots_files_nor_its_own_it_cannot_prove_dead(
+def test_a_non_root_reaper_proves_its_own_file_dead_by_lease_and_never_touches_roots(
     root: Path, engine_id: str
 ) -> None:
     os.chmod(root, 0o1777)  # like /dev/shm
@@ -418,25 +419,28 @@ def test_a_non_root_reaper_removes_neither_roots_files_nor_its_own_it_cannot_pro
     own = write_file(region_path(root, engine_id + "-nobody"))
     os.chown(own, 65534, 65534)
 
-    def reap_as_nobody() -> dict[str, object]:
-        report = reap(root, grace_s=0)
-        return {
-            "removed": [e.name for e in report.removed],
-            "verdicts": {e.name: [e.status.value, e.reason] for e in scan(root, grace_s=0).entries},
+    def reap_as_nobody(use_lease: bool) -> dict[str, object]:
+        verdicts = {
+            e.name: [e.status.value, e.reason] for e in scan(root, grace_s=0, use_lease=use_lease).entries
         }
+        report = reap(root, grace_s=0, use_lease=use_lease)
+        return {"removed": [e.name for e in report.removed], "verdicts": verdicts}
 
-    result = as_user(65534, reap_as_nobody)
-    assert result["removed"] == []
-    verdicts = result["verdicts"]
-    assert verdicts[roots_file.name] == [
+    # Without the lease it cannot see root's processes, so its own file stays unknown.
+    unleased = as_user(65534, lambda: reap_as_nobody(False))
+    assert unleased["removed"] == []
+    status, reason = unleased["verdicts"][own.name]
+    assert status == "unknown"
+    assert "EACCES" in reason
+    # With it, its own file is proven free (it owns it) whatever it cannot inspect.
+    leased = as_user(65534, lambda: reap_as_nobody(True))
+    assert leased["removed"] == [own.name]
+    assert leased["verdicts"][roots_file.name] == [
         "skipped",
         "owned by uid 0, not you (root can judge it with --all-users)",
     ]
-    status, reason = verdicts[own.name]
-    assert status == "unknown"  # root's processes could hold it, and nobody cannot look
-    assert "EACCES" in reason
     assert roots_file.exists()
-    assert own.exists()
+    assert not own.exists()
 
 
 # ---------------------------------------------------------------------------- names

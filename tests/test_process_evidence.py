@@ -24,7 +24,7 @@ from kvoffload.liveness.holders import collect_holders
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import ScanReport, Status, scan
 from tests.hostile import GATE_PID, ProcGate, ZombieLeader
-from tests.procs import REPO, Child, entry, leave_orphan, region_path, write_file
+from tests.procs import NOBODY, REPO, TEST_TAG, Child, entry, leave_orphan, region_path, write_file
 
 IN_OWN_PID_NS = ("unshare", "--pid", "--fork", "--mount-proc")
 
@@ -46,7 +46,7 @@ def unshare_available() -> bool:
 def test_a_process_whose_main_thread_exited_still_holds_what_its_threads_map(
     root: Path, vouched: frozenset[int]
 ) -> None:
-    path = region_path(root, "kvtest-zombie-leader")
+    path = region_path(root, f"{TEST_TAG}zombie-leader")
     with ZombieLeader(path) as proc:
         assert proc.state() == "Z"
         e = entry(judge(root, vouched), path.name)
@@ -72,7 +72,7 @@ def test_an_owner_that_died_and_was_not_yet_waited_for_is_a_zombie_not_an_owner(
     finally:
         child.kill()
     assert e.status is Status.ORPHANED
-    assert e.reason == f"no process maps or opens it; owner pid {child.pid} is a zombie"
+    assert e.reason == f"{NOBODY}; owner pid {child.pid} is a zombie"
     assert e.owner is not None
     assert e.owner.alive is False
 
@@ -142,7 +142,7 @@ def test_a_pid_reused_by_another_process_does_not_keep_a_dead_owners_region(
         assert result["holders"] == []
         assert result["status"] == "orphaned"
         assert result["reason"] == (
-            f"no process maps or opens it; owner pid {result['dead']} was reused by another process (sleep)"
+            f"{NOBODY}; owner pid {result['dead']} was reused by another process (sleep)"
         )
         assert result["removed"] == [path.name]
         assert not path.exists()

@@ -191,14 +191,15 @@ def test_another_users_file_is_reaped_only_with_all_users(
     assert names(reap_now(root, vouched, all_users=True).removed) == [path.name]
 
 
-def test_an_unknown_file_is_never_reaped(root: Path, engine_id: str, tmp_path: Path) -> None:
+def test_without_a_lease_an_unknown_file_is_never_reaped(root: Path, engine_id: str, tmp_path: Path) -> None:
     path = write_file(region_path(root, engine_id))
     proc = tmp_path / "proc" / "4242"
     (proc / "fd").mkdir(parents=True)
     (proc / "stat").write_text("4242 (blind) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n")
     (proc / "maps").mkdir()  # unreadable, and no status: it could hold anything
-    report = reap(root, grace_s=0, proc_root=tmp_path / "proc")
+    report = reap(root, grace_s=0, use_lease=False, proc_root=tmp_path / "proc")
     assert (report.removed, report.summary.unknown) == ((), 1)
+    assert [e.name for e in report.unknown] == [path.name]
     assert path.exists()
     path.unlink()
 

@@ -20,6 +20,7 @@ from kvoffload.errors import (
     RegionReleasedError,
     RootError,
 )
+from kvoffload.liveness import ownership
 from kvoffload.shm import owner
 from kvoffload.shm.region import (
     PAGESIZE,
@@ -56,7 +57,7 @@ def test_creator_records_owner_and_holds_shared_lock(engine_id: str) -> None:
         assert record is not None
         assert record.pid == os.getpid()
         assert record.engine_id == engine_id
-        assert owner.judge_owner(record).alive is True
+        assert ownership.judge_owner(record).alive is True
         probe = os.open(region.path, os.O_RDONLY)
         try:
             with pytest.raises(BlockingIOError):

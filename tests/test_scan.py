@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 
 from kvoffload.errors import ConfigError, RootError
-from kvoffload.liveness.scan import ScanReport, Status, scan
+from kvoffload.liveness.lease import LeaseState
+from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
+from kvoffload.liveness.scan import Evidence, ScanReport, Status, scan
 from kvoffload.shm import owner
 from tests.procs import (
+    NOBODY,
     REPO,
     Child,
     entry,
@@ -36,8 +39,9 @@ def test_a_sigkilled_vllm_creator_leaves_an_orphan(
 ) -> None:
     path = leave_orphan(root, engine_id)
     e = entry(judge(root, vouched), path.name)
-    assert (e.status, e.reason) == (Status.ORPHANED, "no process maps or opens it")
+    assert (e.status, e.reason) == (Status.ORPHANED, NOBODY)
     assert (e.engine_id, e.segment, e.holders, e.owner, e.lock_held) == (engine_id, 0, (), None, False)
+    assert (e.lease, e.lease_error, e.decided_by) == (LeaseState.FREE, None, Evidence.LEASE)
 
 
 def test_a_running_vllm_creator_keeps_its_file_live(
@@ -77,7 +81,7 @@ def test_a_kvoffload_region_is_live_by_lock_and_orphaned_once_its_owner_is_kille
         child.kill()
     dead = entry(judge(root, vouched), path.name)
     assert dead.status is Status.ORPHANED
-    assert dead.reason == f"no process maps or opens it; owner pid {child.pid} has exited"
+    assert dead.reason == f"{NOBODY}; owner pid {child.pid} has exited"
     assert dead.owner is not None
     assert dead.owner.alive is False
     assert dead.lock_held is False
@@ -131,7 +135,7 @@ def test_segments_without_their_base_are_judged_together(
     write_file(region_path(root, engine_id, 2))
     report = judge(root, vouched)
     assert [e.status for e in report.entries] == [Status.ORPHANED, Status.ORPHANED]
-    assert report.entries[0].reason == "segment without its base file; no process maps or opens it"
+    assert report.entries[0].reason == f"segment without its base file; {NOBODY}"
 
 
 def test_an_empty_base_file_without_holder_is_an_orphan_of_a_failed_creator(
@@ -233,7 +237,11 @@ def test_a_skipped_base_makes_its_segments_skipped(
     region_path(root, engine_id).symlink_to(victim)
     segment = write_file(region_path(root, engine_id, 1))
     e = entry(judge(root, vouched), segment.name)
-    assert (e.status, e.reason) == (Status.SKIPPED, "its base file is skipped (symlink: never followed)")
+    base = region_path(root, engine_id).name
+    assert (e.status, e.reason) == (
+        Status.SKIPPED,
+        f"another file of this region is skipped ({base}: symlink: never followed)",
+    )
 
 
 def fake_proc(tmp_path: Path, *, maps_readable: bool, uid: int = 0, caps: int = 0x1FF) -> Path:
@@ -243,6 +251,8 @@ def fake_proc(tmp_path: Path, *, maps_readable: bool, uid: int = 0, caps: int = 
     (base / "fd").mkdir(parents=True)
     (base / "stat").write_text("4242 (blind) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n")
     (base / "status").write_text(f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nCapEff:\t{caps:x}\nCapPrm:\t{caps:x}\n")
+    (proc / "self" / "ns").mkdir(parents=True)
+    (proc / "self" / "ns" / "pid").symlink_to(INITIAL_PID_NAMESPACE)  # a /proc that lists every process
     if maps_readable:
         (base / "maps").write_text("")
     else:
@@ -250,35 +260,53 @@ def fake_proc(tmp_path: Path, *, maps_readable: bool, uid: int = 0, caps: int = 
     return proc
 
 
-def test_a_process_that_cannot_be_inspected_makes_an_orphan_candidate_unknown(
+def test_without_a_lease_a_process_that_cannot_be_inspected_makes_an_orphan_candidate_unknown(
     root: Path, engine_id: str, tmp_path: Path
 ) -> None:
     path = write_file(region_path(root, engine_id))
-    blind = scan(root, grace_s=0, proc_root=fake_proc(tmp_path, maps_readable=False))
+    blind = scan(root, grace_s=0, use_lease=False, proc_root=fake_proc(tmp_path, maps_readable=False))
     e = entry(blind, path.name)
     assert e.status is Status.UNKNOWN
-    assert e.reason == "cannot inspect pid 4242 (blind: EISDIR on maps); liveness unproven"
+    assert e.reason == (
+        "cannot inspect pid 4242 (blind: EISDIR on maps) and no write lease (disabled (--no-lease)); "
+        "liveness unproven"
+    )
+    assert (e.lease, e.lease_error, e.decided_by) == (None, "disabled (--no-lease)", Evidence.PROC)
     assert [u.pid for u in blind.uninspected] == [4242]
     shutil.rmtree(tmp_path / "proc")
-    seen = scan(root, grace_s=0, proc_root=fake_proc(tmp_path, maps_readable=True))
+    seen = scan(root, grace_s=0, use_lease=False, proc_root=fake_proc(tmp_path, maps_readable=True))
     assert entry(seen, path.name).status is Status.ORPHANED
 
 
-def test_an_uninspectable_process_that_could_not_open_the_file_does_not_block(
+def test_the_lease_proves_a_file_free_whatever_process_cannot_be_inspected(
     root: Path, engine_id: str, tmp_path: Path
 ) -> None:
     path = write_file(region_path(root, engine_id))
+    e = entry(scan(root, grace_s=0, proc_root=fake_proc(tmp_path, maps_readable=False)), path.name)
+    assert (e.status, e.reason, e.decided_by) == (Status.ORPHANED, NOBODY, Evidence.LEASE)
+
+
+def test_without_a_lease_another_uids_uninspectable_process_is_not_excused_by_the_file_mode(
+    root: Path, engine_id: str, tmp_path: Path
+) -> None:
+    # It may have opened the 0600 file before a chmod, or before dropping privileges.
+    path = write_file(region_path(root, engine_id))
     other_user = fake_proc(tmp_path, maps_readable=False, uid=os.geteuid() + 1000, caps=0)
-    assert entry(scan(root, grace_s=0, proc_root=other_user), path.name).status is Status.ORPHANED
+    e = entry(scan(root, grace_s=0, use_lease=False, proc_root=other_user), path.name)
+    assert e.status is Status.UNKNOWN
+    assert e.reason.startswith("cannot inspect pid 4242")
 
 
-def test_the_real_uninspectable_processes_here_make_orphans_unknown(root: Path, engine_id: str) -> None:
+def test_the_real_uninspectable_processes_here_make_orphans_unknown_only_without_a_lease(
+    root: Path, engine_id: str
+) -> None:
     if not uninspectable_pids():
         pytest.skip("every process on this machine can be inspected")
     path = leave_orphan(root, engine_id)
-    e = entry(scan(root, grace_s=0), path.name)
+    e = entry(scan(root, grace_s=0, use_lease=False), path.name)
     assert e.status is Status.UNKNOWN
     assert e.reason.startswith("cannot inspect ")
+    assert entry(scan(root, grace_s=0), path.name).status is Status.ORPHANED
 
 
 def run_as_nobody(fn_source: str, root: Path) -> dict[str, str]:
@@ -310,22 +338,25 @@ def run_as_nobody(fn_source: str, root: Path) -> dict[str, str]:
 
 
 @pytest.mark.root
-def test_a_user_who_cannot_inspect_roots_processes_gets_unknown_not_orphaned(
+def test_a_user_who_cannot_inspect_roots_processes_sees_its_file_held_by_the_lease(
     root: Path, engine_id: str
 ) -> None:
     os.chown(root, 65534, 65534)
     path = write_file(region_path(root, engine_id))
     os.chown(path, 65534, 65534)
+    source = (
+        "from kvoffload.liveness.scan import scan\n"
+        "def result(root):\n"
+        "    e = scan(root, grace_s=0, use_lease={lease}).entries[0]\n"
+        "    return {{'status': e.status.value, 'reason': e.reason, 'lease': e.lease}}\n"
+    )
     with Child("fd-only", path):  # a root process holds it; uid 65534 cannot see that
-        result = run_as_nobody(
-            "from kvoffload.liveness.scan import scan\n"
-            "def result(root):\n"
-            "    e = scan(root, grace_s=0).entries[0]\n"
-            "    return {'status': e.status.value, 'reason': e.reason}\n",
-            root,
-        )
-    assert result["status"] == "unknown", result
-    assert "EACCES" in str(result["reason"])
+        leased = run_as_nobody(source.format(lease=True), root)
+        unleased = run_as_nobody(source.format(lease=False), root)
+    assert (leased["status"], leased["lease"]) == ("live", "held"), leased
+    assert "write lease was refused" in leased["reason"]
+    assert unleased["status"] == "unknown", unleased
+    assert "EACCES" in str(unleased["reason"])
 
 
 @pytest.mark.root
@@ -394,7 +425,7 @@ def test_a_lock_held_from_a_pid_namespace_we_cannot_see_keeps_the_region_live(
             cwd=REPO,
             check=True,
         ).stdout.strip()
-    assert out == "live|lock held (holder may be in another PID namespace)"
+    assert out == "live|kvoffload lock held by a participant (possibly in another PID namespace)"
 
 
 @pytest.mark.root
@@ -415,8 +446,7 @@ def test_the_region_of_an_owner_in_another_pid_namespace_is_proven_dead_by_its_f
     assert e.owner is not None
     assert e.owner.alive is None
     assert e.status is Status.ORPHANED
-    assert e.reason.startswith(f"no process maps or opens it; owner pid {e.owner.pid} is in another PID ")
-    assert e.reason.endswith("and no process in any namespace holds its lock")
+    assert e.reason.startswith(f"{NOBODY}; owner pid {e.owner.pid} is in another PID ")
 
 
 @pytest.mark.root

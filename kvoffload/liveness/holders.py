@@ -59,11 +59,13 @@ class Holder:
 
 @dataclass(frozen=True, slots=True)
 class Uninspected:
-    """A process whose fds or maps could not be read, so it may hold anything it can open.
+    """A process whose fds or maps could not be read, so it may hold any file.
 
     ``uids`` are its real, effective, saved and filesystem uids from ``/proc/PID/status``
     (empty when even that was unreadable); ``dac_override`` says whether it has a
-    capability that ignores file modes (None: unknown).
+    capability that ignores file modes (None: unknown). Both are shown to the operator
+    but never used to excuse the process: a file's mode says who may open it now, not who
+    opened it before a ``chmod``, or before dropping privileges, or was handed an fd.
     """
 
     pid: int
@@ -72,20 +74,6 @@ class Uninspected:
     what: str
     uids: tuple[int, ...] = ()
     dac_override: bool | None = None
-
-    def could_open(self, st_uid: int, st_mode: int) -> bool:
-        """Could this process have opened a file with this owner and mode itself?
-
-        An fd can also be handed over (SCM_RIGHTS, fork then setuid) to a process that
-        could never open the file; vLLM does neither with its regions, so a process
-        without the owner's uid or a DAC capability is not counted against a file whose
-        mode shuts others out. This is the one place liveness is not strictly fail-closed.
-        """
-        if not self.uids or self.dac_override is not False:
-            return True
-        if st_mode & 0o066:
-            return True
-        return st_uid in self.uids
 
     def describe(self) -> str:
         return f"pid {self.pid} ({self.name}: {self.error} on {self.what})"
@@ -126,13 +114,9 @@ class HolderIndex:
     def holders_of(self, dev: int, ino: int) -> tuple[Holder, ...]:
         return self.holders.get((dev, ino), ())
 
-    def blind_spots(
-        self, st_uid: int, st_mode: int, *, assume_not_holding: Collection[int] = ()
-    ) -> tuple[Uninspected, ...]:
-        """Uninspected processes that could hold a file of this owner and mode."""
-        return tuple(
-            u for u in self.uninspected if u.pid not in assume_not_holding and u.could_open(st_uid, st_mode)
-        )
+    def blind_spots(self, assume_not_holding: Collection[int] = ()) -> tuple[Uninspected, ...]:
+        """Uninspected processes nobody vouched for: any of them could hold any file."""
+        return tuple(u for u in self.uninspected if u.pid not in assume_not_holding)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Remove orphaned region files, and nothing else, even if the directory changes under us.
 
 Only entries a fresh scan calls ``orphaned`` are candidates, narrowed by the operator's
-filters (engine, dead owner pid, age). A scan is a snapshot, so before each group is
+filters (engine, dead owner pid, age). A scan is a snapshot, so before each region is
 removed it is proven again (anchors D5), with every file of the group:
 
 1. opened through the root's directory fd, ``O_RDONLY|O_NOFOLLOW|O_NONBLOCK`` (a link
@@ -9,20 +9,34 @@ removed it is proven again (anchors D5), with every file of the group:
 2. ``fstat`` must equal the scanned ``(st_dev, st_ino)``: a name reused by a new engine
    is another inode (vLLM #57422) and is kept;
 3. ``flock(LOCK_EX|LOCK_NB)``: refused means a kvoffload participant holds it; granted,
-   it also makes a joiner that arrives now wait (and then see the file was unlinked);
-4. a fresh ``/proc`` pass restricted to the locked inodes (one per batch of regions, see
-   ``RECHECK_BATCH_FILES``): a process that opened or mapped a file since the scan keeps
-   its region (our own lock fds excluded);
-5. each name re-``lstat``ed: still a regular file, one link, same inode; then
-   ``unlinkat(dir_fd, name)``, segments first and the base last, so a new creator
-   can only win ``O_EXCL`` on the base once the whole old region is gone;
+   it also makes a kvoffload joiner that arrives now wait (and then see the file was
+   unlinked);
+4. proof that nobody holds it now. Where the scan had the write lease (``lease``), each
+   file is removed under its own lease, taken on the fd of step 1 and held for that one
+   file's check-and-unlink (an opener blocks in the kernel meanwhile):
+
+   a. ``F_SETLEASE F_WRLCK`` must be granted (refused: someone opened it since the scan);
+   b. the name is re-``lstat``ed: still a regular file, one link, the same inode;
+   c. ``F_GETLEASE`` must still say ``F_WRLCK`` (else an opener arrived: kept, "raced
+      with an opener");
+   d. the name is renamed (``RENAME_NOREPLACE``) to a private name of the same pattern,
+      so an opener that resolved the name a moment before is in the kernel on our inode;
+      ``F_GETLEASE`` again: broken means such an opener exists, and the rename is undone
+      (the opener gets the file it asked for, intact); else the private name is unlinked.
+      A crash between the two leaves one file under a region name, which a later reap
+      judges like any other;
+   e. the lease is released (a blocked opener proceeds and finds the name gone).
+
+   Where no lease could be taken, a fresh ``/proc`` pass restricted to the locked inodes
+   (one per batch of regions, see ``RECHECK_BATCH_FILES``) must show no holder and no
+   uninspected process, and the name is re-``lstat``ed and unlinked;
+5. segments first and the base last, so a new creator can only win ``O_EXCL`` on the base
+   once the whole old region is gone;
 6. locks released by closing the fds.
 
-What remains is the interval between step 5's lstat and the unlink, microseconds: Linux
-has no unlink-by-inode, and in a sticky /dev/shm only the file's owner or root can swap
-a name in it. Nothing here follows a link, creates, truncates or chmods anything, or
-touches a name outside the region pattern. An item that fails any check is kept, with
-the reason; a failure to unlink one item is reported, never raised.
+Nothing here follows a link, creates, truncates or chmods anything, or touches a name
+outside the region pattern. An item that fails any check is kept, with the reason; a
+failure to unlink one item is reported, never raised.
 """
 
 from __future__ import annotations
@@ -33,13 +47,17 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Collection, Iterable, Sequence
+import uuid
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload import procfs
 from kvoffload.errors import ConfigError
+from kvoffload.liveness import lease
 from kvoffload.liveness.holders import HolderIndex, collect_holders
+from kvoffload.liveness.lease import LeaseState
+from kvoffload.liveness.namespace import Visibility
 from kvoffload.liveness.scan import (
     DEFAULT_GRACE_S,
     DEFAULT_ROOT,
@@ -48,17 +66,20 @@ from kvoffload.liveness.scan import (
     ScanReport,
     ScanSummary,
     Status,
+    open_probe_fd,
     open_root,
     scan,
 )
+from kvoffload.shm import names
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _GONE = "gone before removal (removed by someone else)"
-#: Regions re-proven together: one /proc pass (~10 ms on a quiet host) re-checks a batch of
-#: about this many files. Each file stays LOCK_EX'ed from before that pass until after its
-#: unlink, so a kvoffload participant can never slip in; for lockless vLLM joiners the
-#: window is the pass plus the batch's unlinks (microseconds each), as with one region.
+_RACED = "kept: raced with an opener (it opened the file during removal)"
+#: Regions re-proven together where no lease can be taken: one /proc pass (~10 ms on a quiet
+#: host) re-checks a batch of about this many files. Each file stays LOCK_EX'ed from before
+#: that pass until after its unlink, so a kvoffload participant can never slip in.
 RECHECK_BATCH_FILES = 128
+#: ``RENAME_NOREPLACE`` (linux/fs.h): never replace what another process created meanwhile.
+_RENAME_NOREPLACE = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +111,9 @@ class ReapReport:
     """What ``reap`` removed (or, dry run, would remove) and what it kept, with reasons.
 
     ``freed_bytes`` is resident memory (st_blocks × 512) of the removed files: what the
-    shm mount gets back. ``summary`` is the scan the reap acted on.
+    shm mount gets back. ``summary`` is the scan the reap acted on. ``unknown`` are the
+    files the filters chose that the scan could not prove dead: never removed, and the
+    reason the operator has to act on.
     """
 
     schema_version: int
@@ -100,13 +123,22 @@ class ReapReport:
     kept: tuple[ScanEntry, ...]
     freed_bytes: int
     summary: ScanSummary
+    unknown: tuple[ScanEntry, ...] = ()
+    visibility: Visibility | None = None
+    lease_enabled: bool = True
+
+    @property
+    def unknown_resident_bytes(self) -> int:
+        return sum(e.resident_bytes for e in self.unknown)
 
 
-def select(report: ScanReport, filters: ReapFilter = ReapFilter()) -> tuple[ScanEntry, ...]:
-    """The orphaned entries of ``report`` that ``filters`` choose, whole regions at a time."""
+def select(
+    report: ScanReport, filters: ReapFilter = ReapFilter(), status: Status = Status.ORPHANED
+) -> tuple[ScanEntry, ...]:
+    """The entries of ``report`` with ``status`` that ``filters`` choose, whole regions at a time."""
     groups: dict[str, list[ScanEntry]] = {}
     for e in report.entries:
-        if e.status is Status.ORPHANED:
+        if e.status is status:
             groups.setdefault(e.engine_id, []).append(e)
     return tuple(e for group in groups.values() if filters.selects(group) for e in group)
 
@@ -119,6 +151,7 @@ def reap(
     dry_run: bool = False,
     all_users: bool = False,
     assume_not_holding: Collection[int] = (),
+    use_lease: bool = True,
     proc_root: Path = procfs.PROC_ROOT,
     now: float | None = None,
     only: ReapReport | None = None,
@@ -134,6 +167,7 @@ def reap(
         grace_s=grace_s,
         all_users=all_users,
         assume_not_holding=assume_not_holding,
+        use_lease=use_lease,
         proc_root=proc_root,
         now=now,
     )
@@ -160,7 +194,7 @@ def reap(
         groups: dict[str, list[ScanEntry]] = {}
         for e in chosen:
             groups.setdefault(e.engine_id, []).append(e)
-        with open_root(report.root) as dir_fd:
+        with open_root(report.root) as dir_fd, lease.sigio_ignored():
             removed, stay = _reap(dir_fd, groups.values(), proc_root, frozenset(assume_not_holding))
         kept.extend(stay)
     return ReapReport(
@@ -171,6 +205,9 @@ def reap(
         kept=tuple(kept),
         freed_bytes=sum(e.resident_bytes for e in removed),
         summary=report.summary,
+        unknown=select(report, filters, Status.UNKNOWN),
+        visibility=report.visibility,
+        lease_enabled=report.lease_enabled,
     )
 
 
@@ -188,7 +225,7 @@ def _reap(
     proc_root: Path,
     assume_not_holding: frozenset[int],
 ) -> tuple[list[ScanEntry], list[ScanEntry]]:
-    """Reap region by region, re-checking holders once per batch of regions."""
+    """Reap region by region; regions without a lease are re-checked once per batch."""
     removed: list[ScanEntry] = []
     kept: list[ScanEntry] = []
     batch: list[list[ScanEntry]] = []
@@ -203,6 +240,11 @@ def _reap(
 
 
 _Locked = list[tuple[ScanEntry, int, int]]  # entry, fd holding LOCK_EX, st_mode
+
+
+def _leased(locked: _Locked) -> bool:
+    """Was every file of the region proven free by its lease in the scan?"""
+    return all(e.lease is LeaseState.FREE for e, _, _ in locked)
 
 
 def _reap_batch(
@@ -222,23 +264,30 @@ def _reap_batch(
             locked = _lock_group(dir_fd, members, locks, kept)
             if locked:
                 locked_groups.append(locked)
-        if not locked_groups:
-            return
-        # Step 4: who holds these inodes right now? Our own lock fds do not count.
-        index = collect_holders(
-            proc_root,
-            inodes=[e.identity for g in locked_groups for e, _, _ in g],
-            ignore_fds={os.getpid(): [fd for g in locked_groups for _, fd, _ in g]},
-            deleted=False,
-            locks=False,  # we hold LOCK_EX on every one of these files
-        )
+        unleased = [g for g in locked_groups if not _leased(g)]
+        index = None
+        if unleased:
+            # Step 4, without a lease: who holds these inodes right now? Our lock fds do not count.
+            index = collect_holders(
+                proc_root,
+                inodes=[e.identity for g in unleased for e, _, _ in g],
+                ignore_fds={os.getpid(): [fd for g in unleased for _, fd, _ in g]},
+                deleted=False,
+                locks=False,  # we hold LOCK_EX on every one of these files
+            )
         for locked in locked_groups:
-            verdict = _still_dead(locked, index, assume_not_holding)
+            leased = _leased(locked)
+            if not leased:
+                assert index is not None  # built above for every unleased region
+                verdict = _still_dead(locked, index, assume_not_holding)
+            else:
+                refused = _lease_refused(locked)
+                verdict = None if refused is None else (Status.LIVE, refused)
             if verdict is not None:
                 kept.extend(_kept(e, verdict[0], f"kept: {verdict[1]}") for e, _, _ in locked)
                 continue
-            for e, _, _ in locked:
-                outcome = _unlink(dir_fd, e)
+            for e, fd, _ in locked:
+                outcome = _unlink_leased(dir_fd, e, fd) if leased else _unlink(dir_fd, e)
                 if outcome is None:
                     removed.append(e)
                 else:
@@ -254,7 +303,7 @@ def _lock_group(
     with contextlib.ExitStack() as locks:
         for e in members:
             try:
-                fd = os.open(e.name, _OPEN_FLAGS, dir_fd=dir_fd)
+                fd = open_probe_fd(dir_fd, e.name)
             except FileNotFoundError:
                 gone.append(_kept(e, Status.ORPHANED, _GONE))
                 continue
@@ -263,7 +312,7 @@ def _lock_group(
                     "replaced by a symlink" if err.errno == errno.ELOOP else f"cannot open ({_errname(err)})"
                 )
                 return _keep_region(members, gone, kept, Status.UNKNOWN, f"{e.name} {why}")
-            locks.callback(os.close, fd)  # closing releases the lock
+            locks.callback(os.close, fd)  # closing releases the lock and any lease
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != e.identity:
                 return _keep_region(
@@ -292,25 +341,32 @@ def _still_dead(
     locked: _Locked, index: HolderIndex, assume_not_holding: frozenset[int]
 ) -> tuple[Status, str] | None:
     """None if nobody holds any file of the region now; else the verdict that keeps it."""
-    for e, _, mode in locked:
+    for e, _, _ in locked:
         holders = index.holders_of(*e.identity)
         if holders:
             shown = ", ".join(f"{h.pid}:{h.name}" for h in holders[:3])
             return Status.LIVE, f"held since the scan by {len(holders)} process(es): {shown}"
-        blind = index.blind_spots(e.uid, mode, assume_not_holding=assume_not_holding)
-        if blind:
-            return Status.UNKNOWN, f"cannot inspect {blind[0].describe()}; liveness unproven"
+    blind = index.blind_spots(assume_not_holding)
+    if blind:
+        return Status.UNKNOWN, f"cannot inspect {blind[0].describe()}; liveness unproven"
+    return None
+
+
+def _lease_refused(locked: _Locked) -> str | None:
+    """Step 4a for the whole region before any file goes: a file someone opened since the scan
+    keeps every file of it (each lease is taken and given back at once)."""
+    for e, fd, _ in locked:
+        answer = lease.probe(fd, e.uid, os.geteuid())
+        if not answer.free:
+            return f"{e.name}: opened since the scan (write lease {answer.state or answer.error})"
     return None
 
 
 def _unlink(dir_fd: int, e: ScanEntry) -> ScanEntry | None:
-    """Unlink one locked file if its name still names it (step 5); else the entry as kept."""
-    try:
-        st = os.stat(e.name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return _kept(e, Status.ORPHANED, _GONE)
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or (st.st_dev, st.st_ino) != e.identity:
-        return _kept(e, Status.UNKNOWN, "kept: the name changed just before removal")
+    """Unlink one locked file if its name still names it; else the entry as kept."""
+    problem = _name_changed(dir_fd, e)
+    if problem is not None:
+        return problem
     try:
         os.unlink(e.name, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -318,3 +374,85 @@ def _unlink(dir_fd: int, e: ScanEntry) -> ScanEntry | None:
     except OSError as err:
         return _kept(e, Status.ORPHANED, f"kept: unlink failed ({_errname(err)})")
     return None
+
+
+def _name_changed(dir_fd: int, e: ScanEntry) -> ScanEntry | None:
+    try:
+        st = os.stat(e.name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return _kept(e, Status.ORPHANED, _GONE)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or (st.st_dev, st.st_ino) != e.identity:
+        return _kept(e, Status.UNKNOWN, "kept: the name changed just before removal")
+    return None
+
+
+def _unlink_leased(dir_fd: int, e: ScanEntry, fd: int) -> ScanEntry | None:
+    """Step 4a-e for one file: removed under its own write lease, held for this file only."""
+    answer = lease.take(fd, e.uid, os.geteuid())
+    if not answer.free:
+        return _kept(
+            e, Status.LIVE, f"kept: opened since the scan (write lease {answer.state or answer.error})"
+        )
+    try:
+        problem = _name_changed(dir_fd, e)
+        if problem is not None:
+            return problem
+        if lease.broken(fd):
+            return _kept(e, Status.LIVE, _RACED)
+        private = _private_name(e)
+        try:
+            _rename_noreplace(dir_fd, e.name, private)
+        except OSError as err:
+            if err.errno not in (errno.ENOSYS, errno.EINVAL):
+                return _kept(e, Status.ORPHANED, f"kept: rename before unlink failed ({_errname(err)})")
+            return _unlink(dir_fd, e)  # no renameat2 here: the lease checks above still hold
+        if lease.broken(fd):
+            # An opener resolved the name just before the rename and is in the kernel on this
+            # inode: give the name back so it gets the file it asked for.
+            try:
+                _rename_noreplace(dir_fd, private, e.name)
+            except OSError as err:
+                return _kept(
+                    e,
+                    Status.LIVE,
+                    f"kept as {private}: raced with an opener, and the name could not be restored "
+                    f"({_errname(err)})",
+                )
+            return _kept(e, Status.LIVE, _RACED)
+        try:
+            os.unlink(private, dir_fd=dir_fd)
+        except OSError as err:
+            return _kept(e, Status.ORPHANED, f"kept as {private}: unlink failed ({_errname(err)})")
+        return None
+    finally:
+        lease.release(fd)
+
+
+def _private_name(e: ScanEntry) -> str:
+    # Of the region pattern, so a reaper that dies between rename and unlink leaves a file
+    # the next reap judges like any other; unguessable, so nobody can plant it.
+    return names.format_name(f".shmctl-reap-{uuid.uuid4().hex}", 0, _check=False)
+
+
+_libc_renameat2: Callable[[int, bytes, int, bytes, int], int] | None = None
+
+
+def _rename_noreplace(dir_fd: int, old: str, new: str) -> None:
+    """``renameat2(dir_fd, old, dir_fd, new, RENAME_NOREPLACE)``: fails rather than replace."""
+    global _libc_renameat2
+    if _libc_renameat2 is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = getattr(libc, "renameat2", None)
+        if function is None:
+            raise OSError(errno.ENOSYS, "renameat2 is not in this libc")
+        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        function.restype = ctypes.c_int
+        _libc_renameat2 = function
+    encode = os.fsencode
+    if _libc_renameat2(dir_fd, encode(old), dir_fd, encode(new), _RENAME_NOREPLACE) != 0:
+        import ctypes
+
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), old)

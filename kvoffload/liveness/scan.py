@@ -2,68 +2,80 @@
 
 The verdict comes from kernel evidence, never from age: an mmap'ed region's mtime freezes
 at init (tmpfs only bumps it on a page's first write fault), so an old file says nothing
-about its owner. Evidence, gathered once per scan whatever the number of files:
+about its owner. For each file this module gathers, from one module per source:
 
-* holders: processes whose fds or mappings refer to the file's ``(st_dev, st_ino)``
-  (``holders.collect_holders``: one pass over ``/proc``);
-* the lock: kvoffload participants hold ``flock(LOCK_SH)`` while they map a region, so a
-  refused ``LOCK_EX|LOCK_NB`` proves a holder exists and a granted one proves no
-  participant is left, in any PID namespace;
-* the owner record (kvoffload files only): who created it, a hint that names a dead owner
-  (a pid whose start time differs was reused) and is never evidence on its own.
+* the write lease (``lease``): granted only when no other open file description of the
+  inode exists anywhere on the kernel, so it proves "nobody has it" in any PID namespace,
+  for any uid, with no ``/proc`` at all; it needs the file's owner or ``CAP_LEASE``;
+* the lock (``lock``): kvoffload participants hold ``flock(LOCK_SH)``;
+* holders (``holders``): one pass over ``/proc`` for the whole scan, which *names* who
+  holds a file and finds unlinked regions still mapped (``--deleted``);
+* the owner record (``ownership``): a hint that names the creator, never proof alone;
+* whether this ``/proc`` shows every process (``namespace``).
 
-Liveness is fail-closed. ``orphaned`` needs no holder, no lock, complete evidence (every
-process that could have opened the file was inspected; the recorded owner, if any, is
-not seen running) and an age past the grace period; anything short of that is
-``unknown`` or ``starting``, and only ``orphaned`` is ever reaped. Processes in a PID
-namespace we cannot see are invisible, not uninspectable: for vLLM's lockless files,
-run the scan where the engines' processes are visible (the host, or a shared PID
-namespace); kvoffload's files carry the lock that crosses namespaces.
+``verdict.decide`` combines them and writes the reason from whichever evidence decided.
+Liveness is fail-closed: ``orphaned`` needs a granted lease on every file of the region,
+or, where no lease can be taken, a complete ``/proc`` walk (every process inspected, from
+the initial PID namespace), plus an age past the grace period. Only ``orphaned`` is ever
+reaped.
 
 Files we have no business judging are ``skipped``: symlinks (never followed), non-regular
 files, files with more than one link, and other users' files unless ``all_users``.
 
-A region is a base file plus segment files ``.mmap.N``; the group shares one verdict
-(a segment mapped by a live engine keeps its base alive and vice versa), so segments
-follow their base.
+A region is a base file plus segment files ``.mmap.N``; the group shares one verdict, and
+any file of it that is skipped keeps the whole group (a segment mapped by a live engine
+keeps its base alive, and vice versa).
 
 Everything goes through a directory fd of the root with ``follow_symlinks=False``; the
 only file this module opens is a region file, read-only, ``O_NOFOLLOW|O_NONBLOCK``, to
-probe its lock and read its owner record.
+probe its lease and lock and read its owner record.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import stat
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 
 from kvoffload import procfs
 from kvoffload.errors import ConfigError, RootError
+from kvoffload.liveness import lease, lock
 from kvoffload.liveness.holders import DeletedMapping, Holder, HolderIndex, Uninspected, collect_holders
+from kvoffload.liveness.lease import LeaseProbe, LeaseState
+from kvoffload.liveness.namespace import Visibility, visibility
+from kvoffload.liveness.ownership import OwnerLiveness, judge_owner
+from kvoffload.liveness.verdict import Evidence, FileEvidence, ScannerView, Status, age_s, decide
 from kvoffload.shm import names
-from kvoffload.shm.owner import OwnerRecord, judge_owner, read_owner
+from kvoffload.shm.owner import OwnerRecord, inspect_owner
+
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "DEFAULT_ROOT",
+    "SCHEMA_VERSION",
+    "Evidence",
+    "OwnerView",
+    "ScanEntry",
+    "ScanReport",
+    "ScanSummary",
+    "Status",
+    "open_root",
+    "scan",
+]
 
 DEFAULT_ROOT = Path("/dev/shm")
 DEFAULT_GRACE_S = 30.0
-SCHEMA_VERSION = 1
+#: 2: entries gained ``lease``, ``lease_error`` and ``decided_by``; the report ``visibility``.
+SCHEMA_VERSION = 2
 _REMOVED = "removed during the scan"
 _PROBE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-
-
-class Status(StrEnum):
-    LIVE = "live"
-    ORPHANED = "orphaned"
-    STARTING = "starting"
-    UNKNOWN = "unknown"
-    SKIPPED = "skipped"
+#: Another prober (a concurrent scan or reap) holds its lease for microseconds; an open
+#: meanwhile fails with EWOULDBLOCK under O_NONBLOCK. Try again this many times.
+_LEASED_RETRIES = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +116,12 @@ class ScanEntry:
     owner: OwnerView | None = None
     #: True: a LOCK_EX probe was refused; False: granted; None: not probed (skipped files).
     lock_held: bool | None = None
+    #: The write lease: ``free`` (nobody anywhere has it open), ``held``, or None (no lease).
+    lease: LeaseState | None = None
+    #: Why there is no lease answer, when ``lease`` is None.
+    lease_error: str | None = None
+    #: The evidence that decided the verdict (``verdict.Evidence``).
+    decided_by: Evidence = Evidence.FILE
 
     @property
     def identity(self) -> tuple[int, int]:
@@ -124,6 +142,7 @@ class ScanSummary:
     orphaned_resident_bytes: int
     resident_bytes: int
     uninspected_processes: int
+    unknown_resident_bytes: int = 0
 
     @classmethod
     def of(cls, entries: tuple[ScanEntry, ...], uninspected: int) -> ScanSummary:
@@ -142,6 +161,7 @@ class ScanSummary:
             orphaned_resident_bytes=sum(e.resident_bytes for e in orphans),
             resident_bytes=sum(e.resident_bytes for e in entries if e.status is not Status.SKIPPED),
             uninspected_processes=uninspected,
+            unknown_resident_bytes=sum(e.resident_bytes for e in entries if e.status is Status.UNKNOWN),
         )
 
 
@@ -157,15 +177,24 @@ class ScanReport:
     summary: ScanSummary
     #: Processes whose fds or maps could not be read (``assume_not_holding`` ones included).
     uninspected: tuple[Uninspected, ...]
-    #: Region files that were unlinked but are still mapped or open, per process.
+    #: Region files of this root's filesystem that were unlinked but are still mapped or open.
     deleted: tuple[DeletedMapping, ...]
     #: Pids the operator vouched for (``--assume-not-holding``): not counted as blind spots.
     assumed_not_holding: tuple[int, ...] = ()
+    #: Whether this scan's ``/proc`` lists every process on the kernel.
+    visibility: Visibility | None = None
+    #: False when leases were turned off (``--no-lease``) or unsafe to take here.
+    lease_enabled: bool = True
 
     @property
     def blind_spots(self) -> tuple[Uninspected, ...]:
         """Uninspected processes nobody vouched for: what can keep files ``unknown``."""
         return tuple(u for u in self.uninspected if u.pid not in self.assumed_not_holding)
+
+    @property
+    def unseen_holders(self) -> tuple[ScanEntry, ...]:
+        """Entries held, by the lease's word, by a process this scan's ``/proc`` did not show."""
+        return tuple(e for e in self.entries if e.decided_by is Evidence.LEASE and e.status is Status.LIVE)
 
     def with_status(self, status: Status) -> tuple[ScanEntry, ...]:
         return tuple(e for e in self.entries if e.status is status)
@@ -176,8 +205,13 @@ def open_root(root: Path | str) -> Iterator[int]:
     """A directory fd of the shm root; every error becomes a ``RootError`` with a fix.
 
     The root itself may be a symlink (``/dev/shm -> /run/shm`` on some systems): the
-    operator names it. Entries inside it are never followed.
+    operator names it. Entries inside it are never followed. An empty name is refused:
+    the kernel would read it as the current directory.
     """
+    if str(root) == "":
+        raise ConfigError(
+            "--root", "is empty (it would mean the current directory)", fix="pass --root /dev/shm"
+        )
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -206,7 +240,9 @@ class _Listed:
 @dataclass(slots=True)
 class _Probe:
     lock_held: bool | None = None
+    lease: LeaseProbe = lease.NOT_PROBED
     owner: OwnerRecord | None = None
+    owner_problem: str | None = None
     problem: str | None = None
 
 
@@ -216,15 +252,16 @@ def scan(
     grace_s: float = DEFAULT_GRACE_S,
     all_users: bool = False,
     assume_not_holding: Collection[int] = (),
+    use_lease: bool = True,
     proc_root: Path = procfs.PROC_ROOT,
     now: float | None = None,
 ) -> ScanReport:
     """Judge every ``vllm_offload_*.mmap[.N]`` entry of ``root``.
 
     ``all_users`` (root only) judges other users' files too. ``assume_not_holding`` lists
-    pids the operator vouches for: processes that cannot be inspected (a container's
-    init, say) but are known not to map regions; without it such a process keeps every
-    file it could open ``unknown``.
+    pids the operator vouches for: processes that cannot be inspected but are known not to
+    map regions; it matters only where no lease can be taken. ``use_lease=False`` judges
+    from ``/proc``, locks and the owner record alone (``--no-lease``).
     """
     if grace_s < 0:
         raise ConfigError("grace", f"must not be negative, got {grace_s:g}s")
@@ -234,20 +271,27 @@ def scan(
             "all_users", "only root may judge other users' files", fix="run as root, or drop --all-users"
         )
     root = Path(root)
-    with open_root(root) as dir_fd:
+    with open_root(root) as dir_fd, lease.sigio_ignored() as unsafe:
+        lease_off = lease.DISABLED if not use_lease else None if unsafe is None else LeaseProbe(None, unsafe)
         listed = _list_regions(root, dir_fd)
-        devices = {os.fstat(dir_fd).st_dev} | {item.st.st_dev for item in listed}
+        root_dev = os.fstat(dir_fd).st_dev
+        devices = {root_dev} | {item.st.st_dev for item in listed}
         index = collect_holders(proc_root, devices=devices)
+        view = ScannerView(
+            index.blind_spots(frozenset(assume_not_holding)),
+            visibility(proc_root),
+        )
         when = time.time() if now is None else now
         entries = _judge(
             root,
             dir_fd,
             listed,
             index,
+            view,
             when=when,
             grace_s=grace_s,
             owner_uids=None if all_users else {euid},
-            assume_not_holding=frozenset(assume_not_holding),
+            lease_off=lease_off,
             proc_root=proc_root,
         )
     return ScanReport(
@@ -258,8 +302,10 @@ def scan(
         entries=entries,
         summary=ScanSummary.of(entries, len(index.uninspected)),
         uninspected=index.uninspected,
-        deleted=index.deleted,
+        deleted=tuple(d for d in index.deleted if d.dev == root_dev),
         assumed_not_holding=tuple(sorted(assume_not_holding)),
+        visibility=view.visibility,
+        lease_enabled=lease_off is None,
     )
 
 
@@ -314,31 +360,41 @@ def _skip_reason(item: _Listed, owner_uids: set[int] | None) -> str | None:
     return None
 
 
-def _probe(dir_fd: int, item: _Listed) -> _Probe:
-    """Open read-only without following links, check it is still the listed inode,
-    read the owner record and try ``LOCK_EX|LOCK_NB`` (released at once)."""
+def open_probe_fd(dir_fd: int, name: str) -> int:
+    """Open a region file to probe it: read-only, no links, no blocking (also on a lease)."""
+    for attempt in range(_LEASED_RETRIES):
+        try:
+            return os.open(name, _PROBE_FLAGS, dir_fd=dir_fd)
+        except BlockingIOError:
+            if attempt == _LEASED_RETRIES - 1:
+                raise
+            time.sleep(0.001 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _probe(dir_fd: int, item: _Listed, lease_off: LeaseProbe | None) -> _Probe:
+    """Open read-only without following links, check it is still the listed inode, read the
+    owner record, probe the write lease and ``LOCK_EX|LOCK_NB`` (each released at once)."""
     try:
-        fd = os.open(item.name, _PROBE_FLAGS, dir_fd=dir_fd)
+        fd = open_probe_fd(dir_fd, item.name)
     except FileNotFoundError:
         return _Probe(problem=_REMOVED)
+    except BlockingIOError:
+        return _Probe(problem="another process holds a lease on it (a concurrent shmctl?)")
     except OSError as e:
         if e.errno == errno.ELOOP:
             return _Probe(problem="replaced by a symlink during the scan")
-        return _Probe(problem=f"cannot open it to probe its lock ({errno.errorcode.get(e.errno or 0, e)})")
+        return _Probe(problem=f"cannot open it to probe it ({errno.errorcode.get(e.errno or 0, e)})")
     try:
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != (item.st.st_dev, item.st.st_ino):
             return _Probe(problem="replaced by another file during the scan")
-        owner = read_owner(fd) if item.region.segment == 0 else None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _Probe(lock_held=True, owner=owner)
-        except OSError as e:
-            return _Probe(owner=owner, problem=f"lock probe failed ({errno.errorcode.get(e.errno or 0, e)})")
-        return _Probe(lock_held=False, owner=owner)
+        owner, owner_problem = inspect_owner(fd) if item.region.segment == 0 else (None, None)
+        answer = lease_off or lease.probe(fd, st.st_uid, os.geteuid())
+        lock_held, problem = lock.probe(fd)
+        return _Probe(lock_held, answer, owner, owner_problem, problem)
     finally:
-        os.close(fd)  # also releases the probe's lock
+        os.close(fd)  # also releases the lock probe
 
 
 @dataclass(slots=True)
@@ -347,7 +403,7 @@ class _Group:
 
     engine_id: str
     members: list[_Listed] = field(default_factory=list)
-    skipped_base: str | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _judge(
@@ -355,11 +411,12 @@ def _judge(
     dir_fd: int,
     listed: list[_Listed],
     index: HolderIndex,
+    view: ScannerView,
     *,
     when: float,
     grace_s: float,
     owner_uids: set[int] | None,
-    assume_not_holding: frozenset[int],
+    lease_off: LeaseProbe | None,
     proc_root: Path,
 ) -> tuple[ScanEntry, ...]:
     groups: dict[str, _Group] = {}
@@ -369,17 +426,16 @@ def _judge(
         reason = _skip_reason(item, owner_uids)
         if reason is not None:
             skipped[item.name] = reason
-            if item.region.segment == 0:
-                group.skipped_base = reason
+            group.skipped.append((item.name, reason))
         else:
             group.members.append(item)
 
     entries: list[ScanEntry] = []
     for item in listed:
         if item.name in skipped:
-            entries.append(_entry(root, item, Status.SKIPPED, skipped[item.name], when, index, None, None))
+            entries.append(_entry(root, item, Status.SKIPPED, skipped[item.name], when, index))
     for group in groups.values():
-        entries.extend(_judge_group(root, dir_fd, group, index, when, grace_s, assume_not_holding, proc_root))
+        entries.extend(_judge_group(root, dir_fd, group, index, view, when, grace_s, lease_off, proc_root))
     entries.sort(key=lambda e: (e.engine_id, e.segment, e.name))
     return tuple(entries)
 
@@ -389,105 +445,75 @@ def _judge_group(
     dir_fd: int,
     group: _Group,
     index: HolderIndex,
+    view: ScannerView,
     when: float,
     grace_s: float,
-    assume_not_holding: frozenset[int],
+    lease_off: LeaseProbe | None,
     proc_root: Path,
 ) -> list[ScanEntry]:
     if not group.members:
         return []
-    if group.skipped_base is not None:
-        reason = f"its base file is skipped ({group.skipped_base})"
-        return [_entry(root, m, Status.SKIPPED, reason, when, index, None, None) for m in group.members]
+    if group.skipped:
+        # A region is one unit: a file of it we may not judge (another uid's, a second hard
+        # link) may be mapped by a live engine, so none of its files is ours to call dead.
+        name, why = group.skipped[0]
+        reason = f"another file of this region is skipped ({name}: {why})"
+        return [_entry(root, m, Status.SKIPPED, reason, when, index) for m in group.members]
 
-    probes = {m.name: _probe(dir_fd, m) for m in group.members}
+    probes = {m.name: _probe(dir_fd, m, lease_off) for m in group.members}
     members = [m for m in group.members if probes[m.name].problem != _REMOVED]
     if not members:
         return []
     base = next((m for m in members if m.region.segment == 0), None)
     record = probes[base.name].owner if base is not None else None
-    owner = _owner_view(record, proc_root) if record is not None else None
-    status, reason = _verdict(members, probes, base, owner, index, when, grace_s, assume_not_holding)
+    liveness = judge_owner(record, proc_root) if record is not None else None
+    evidence = [
+        FileEvidence(
+            name=m.name,
+            st=m.st,
+            holders=index.holders_of(m.st.st_dev, m.st.st_ino),
+            lock_held=probes[m.name].lock_held,
+            lease=probes[m.name].lease,
+            anonymous_lock=(m.st.st_dev, m.st.st_ino) in index.anonymous_locks,
+            problem=probes[m.name].problem,
+        )
+        for m in members
+    ]
+    verdict = decide(
+        evidence,
+        view,
+        owner=liveness,
+        base_empty=base is not None and base.st.st_size == 0,
+        age=min(age_s(m.st, when) for m in members),
+        grace_s=grace_s,
+    )
+    reason = verdict.reason
     if base is None:
         reason = f"segment without its base file; {reason}"
+    owner_problem = probes[base.name].owner_problem if base is not None else None
+    if owner_problem:
+        reason = f"{reason}; {owner_problem}"
+    owner = _owner_view(record, liveness) if record is not None and liveness is not None else None
     entries = []
     for m in members:
-        why = reason if m is base or base is None else f"follows its base file: {reason}"
+        probe = probes[m.name]
         entries.append(
-            _entry(root, m, status, why, when, index, owner if m is base else None, probes[m.name].lock_held)
+            _entry(
+                root,
+                m,
+                verdict.status,
+                reason if m is base or base is None else f"follows its base file: {reason}",
+                when,
+                index,
+                owner=owner if m is base else None,
+                probe=probe,
+                decided_by=verdict.decided_by,
+            )
         )
     return entries
 
 
-def _verdict(
-    members: list[_Listed],
-    probes: dict[str, _Probe],
-    base: _Listed | None,
-    owner: OwnerView | None,
-    index: HolderIndex,
-    when: float,
-    grace_s: float,
-    assume_not_holding: frozenset[int],
-) -> tuple[Status, str]:
-    """The group's verdict and the reason for it, fail-closed (see the module docstring)."""
-    holders = {h.pid: h for m in members for h in index.holders_of(m.st.st_dev, m.st.st_ino)}
-    if holders:
-        shown = ", ".join(f"{h.pid}:{h.name}" for h in list(holders.values())[:3])
-        more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
-        return Status.LIVE, f"held by {len(holders)} process(es): {shown}{more}"
-    if any(probes[m.name].lock_held for m in members):
-        return Status.LIVE, "lock held (holder may be in another PID namespace)"
-    if any((m.st.st_dev, m.st.st_ino) in index.anonymous_locks for m in members):
-        return Status.LIVE, "locked by a process outside our PID namespace"
-    problems = [f"{m.name}: {probes[m.name].problem}" for m in members if probes[m.name].problem]
-    if problems:
-        return Status.UNKNOWN, f"{problems[0]}; liveness unproven"
-    blind: dict[int, Uninspected] = {}
-    for m in members:
-        for u in index.blind_spots(m.st.st_uid, m.st.st_mode, assume_not_holding=assume_not_holding):
-            blind.setdefault(u.pid, u)
-    if blind:
-        first = next(iter(blind.values()))
-        if len(blind) == 1:
-            return Status.UNKNOWN, f"cannot inspect {first.describe()}; liveness unproven"
-        return (
-            Status.UNKNOWN,
-            f"cannot inspect {len(blind)} processes ({first.describe()}, ...); liveness unproven",
-        )
-    if owner is not None and owner.alive is True:
-        return (
-            Status.UNKNOWN,
-            f"{owner.liveness} but neither maps, opens nor locks it; liveness unproven",
-        )
-    # An owner we cannot judge by pid (another PID namespace, another container's hostname)
-    # needs no pid: every kvoffload participant holds the lock, in any namespace, and the
-    # probe above found it free. This is what lets a restarted container reap the region of
-    # its previous incarnation instead of crash-looping on it (vLLM #54002).
-    age = min(_age(m.st, when) for m in members)
-    if age < grace_s:
-        return (
-            Status.STARTING,
-            f"no holder yet; changed {age:.0f}s ago, within the {grace_s:g}s grace period",
-        )
-    if base is not None and base.st.st_size == 0:
-        reason = "empty base file and no process maps or opens it: its creator died before sizing it"
-    else:
-        reason = "no process maps or opens it"
-    if owner is not None:
-        reason += f"; {owner.liveness}"
-        if owner.alive is None:
-            reason += ", and no process in any namespace holds its lock"
-    return Status.ORPHANED, reason
-
-
-def _age(st: os.stat_result, when: float) -> float:
-    # ctime moves on creation, ftruncate, xattr writes and first-touch writes; mtime is
-    # kept in case a filesystem lags. Age only delays a verdict; it never proves death.
-    return max(0.0, when - max(st.st_mtime, st.st_ctime))
-
-
-def _owner_view(record: OwnerRecord, proc_root: Path) -> OwnerView:
-    liveness = judge_owner(record, proc_root)
+def _owner_view(record: OwnerRecord, liveness: OwnerLiveness) -> OwnerView:
     return OwnerView(
         pid=record.pid,
         start_ticks=record.start_ticks,
@@ -509,11 +535,14 @@ def _entry(
     reason: str,
     when: float,
     index: HolderIndex,
-    owner: OwnerView | None,
-    lock_held: bool | None,
+    *,
+    owner: OwnerView | None = None,
+    probe: _Probe | None = None,
+    decided_by: Evidence = Evidence.FILE,
 ) -> ScanEntry:
     st = item.st
     regular = stat.S_ISREG(st.st_mode)
+    answer = probe.lease if probe is not None else LeaseProbe(None, "not probed (skipped)")
     return ScanEntry(
         name=item.name,
         path=root / item.name,
@@ -525,11 +554,14 @@ def _entry(
         size_bytes=st.st_size if regular else 0,
         resident_bytes=st.st_blocks * 512 if regular else 0,
         uid=st.st_uid,
-        age_s=round(_age(st, when), 3),
+        age_s=round(age_s(st, when), 3),
         dev=st.st_dev,
         ino=st.st_ino,
         nlink=st.st_nlink,
         holders=index.holders_of(st.st_dev, st.st_ino) if regular else (),
         owner=owner,
-        lock_held=lock_held,
+        lock_held=probe.lock_held if probe is not None else None,
+        lease=answer.state,
+        lease_error=answer.error,
+        decided_by=decided_by,
     )

@@ -5,8 +5,9 @@ carry an extended attribute ``user.kvoffload.owner`` with the creator's pid, pro
 start time (clock ticks since boot, as ``/proc/PID/stat`` field 22), boot id, PID
 namespace, hostname, uid, engine id and creation time. A pid alone is not identity:
 pids are reused, so "the owner is alive" means same boot, same pid namespace, same
-pid, same start time, and not a zombie. The record is a hint for operators and for
-``--pid`` filters; liveness verdicts come from holders and locks, never from it alone.
+pid, same start time, and not a zombie (``kvoffload.liveness.ownership`` judges that). The
+record is a hint for operators and for ``--pid`` filters; verdicts come from the lease,
+holders and locks, never from it alone.
 
 Writing is best effort: a filesystem that refuses user xattrs simply has no record.
 """
@@ -14,6 +15,7 @@ Writing is best effort: a filesystem that refuses user xattrs simply has no reco
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -57,26 +59,68 @@ class OwnerRecord:
 
     @classmethod
     def from_json(cls, data: Any) -> OwnerRecord:
+        """The record in ``data``; ``ValueError`` naming the field when it is not the documented shape.
+
+        Anyone who can write the file can write the record, so every field is checked for
+        its type and range: a bad record is ignored with the reason, never trusted or crashed on.
+        """
         if not isinstance(data, dict):
-            raise ValueError("owner record is not a JSON object")
+            raise ValueError("not a JSON object")
         return cls(
-            pid=int(data["pid"]),
-            start_ticks=int(data["start_ticks"]),
-            boot_id=None if data.get("boot_id") is None else str(data["boot_id"]),
-            pid_ns=None if data.get("pid_ns") is None else str(data["pid_ns"]),
-            hostname=str(data.get("hostname", "")),
-            uid=int(data["uid"]),
-            engine_id=str(data["engine_id"]),
-            created_at=float(data["created_at"]),
+            pid=_int(data, "pid", 1, _PID_MAX),
+            start_ticks=_int(data, "start_ticks", 0, _U64_MAX),
+            boot_id=_text(data, "boot_id", optional=True),
+            pid_ns=_text(data, "pid_ns", optional=True),
+            hostname=_text(data, "hostname", optional=True) or "",
+            uid=_int(data, "uid", 0, _U32_MAX),
+            engine_id=_text(data, "engine_id") or "",
+            created_at=_number(data, "created_at"),
         )
 
 
-@dataclass(frozen=True, slots=True)
-class OwnerLiveness:
-    """Whether the recorded owner still runs: ``alive`` is True, False or None (cannot tell)."""
+#: ``PID_MAX_LIMIT`` on 64-bit Linux; uids are 32-bit; start ticks a 64-bit counter.
+_PID_MAX = 1 << 22
+_U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
+_TEXT_MAX = 1024
 
-    alive: bool | None
-    reason: str
+
+def _int(data: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = data.get(key)
+    if type(value) is not int:  # bool is an int subclass: refuse it too
+        raise ValueError(f"{key} is not an integer")
+    if not low <= value <= high:
+        raise ValueError(f"{key} is out of range")
+    return value
+
+
+def _number(data: dict[str, Any], key: str) -> float:
+    value = data.get(key)
+    if type(value) not in (int, float):
+        raise ValueError(f"{key} is not a number")
+    number = float(value)  # type: ignore[arg-type]  # an int or a float, checked above
+    if not math.isfinite(number):
+        raise ValueError(f"{key} is not finite")
+    return number
+
+
+def _text(data: dict[str, Any], key: str, *, optional: bool = False) -> str | None:
+    value = data.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or len(value) > _TEXT_MAX:
+        raise ValueError(f"{key} is not a string of at most {_TEXT_MAX} characters")
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 20:
+        raise ValueError("an integer of more than 20 digits")
+    return int(text)
 
 
 def write_owner(fd: int, record: OwnerRecord) -> bool:
@@ -90,47 +134,27 @@ def write_owner(fd: int, record: OwnerRecord) -> bool:
 
 def read_owner(fd_or_path: int | str | Path) -> OwnerRecord | None:
     """The record on an open fd or path (never following a symlink); None if absent or bad."""
+    return inspect_owner(fd_or_path)[0]
+
+
+def inspect_owner(fd_or_path: int | str | Path) -> tuple[OwnerRecord | None, str | None]:
+    """The record and, when there is one that cannot be used, why it was ignored.
+
+    ``(None, None)``: no record (vLLM's own files, a filesystem without xattrs).
+    """
     try:
         if isinstance(fd_or_path, int):
             raw = os.getxattr(fd_or_path, XATTR_NAME)
         else:
             raw = os.getxattr(fd_or_path, XATTR_NAME, follow_symlinks=False)
-        if len(raw) > _MAX_RECORD_BYTES:
-            return None
-        return OwnerRecord.from_json(json.loads(raw))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def judge_owner(record: OwnerRecord, proc_root: Path = procfs.PROC_ROOT) -> OwnerLiveness:
-    """Is the recorded owner process still the one that created the file?"""
-    boot_id = procfs.read_boot_id(proc_root)
-    if record.boot_id and boot_id and record.boot_id != boot_id:
-        return OwnerLiveness(False, "owner ran in an earlier boot")
-    if record.hostname and record.hostname != socket.gethostname():
-        return OwnerLiveness(None, f"owner ran on host {record.hostname!r}, not this one")
-    own_ns = procfs.pid_namespace("self", proc_root)
-    if record.pid_ns and own_ns and record.pid_ns != own_ns:
-        return OwnerLiveness(None, f"owner pid {record.pid} is in another PID namespace ({record.pid_ns})")
+    except OSError:
+        return None, None
+    if len(raw) > _MAX_RECORD_BYTES:
+        return None, f"owner record ignored: larger than {_MAX_RECORD_BYTES} bytes"
     try:
-        stat = procfs.read_stat(record.pid, proc_root)
-    except FileNotFoundError:
-        return OwnerLiveness(False, f"owner pid {record.pid} has exited")
-    except OSError as e:
-        return OwnerLiveness(None, f"owner pid {record.pid} cannot be inspected: {e.strerror}")
-    except (ValueError, IndexError):
-        return OwnerLiveness(None, f"owner pid {record.pid}: unreadable /proc stat")
-    if stat.start_ticks != record.start_ticks:
-        return OwnerLiveness(False, f"owner pid {record.pid} was reused by another process ({stat.comm})")
-    if stat.is_zombie:
-        try:
-            running = procfs.live_thread(record.pid, proc_root)
-        except OSError as e:
-            return OwnerLiveness(None, f"owner pid {record.pid} cannot be inspected: {e.strerror}")
-        if running is None:
-            return OwnerLiveness(False, f"owner pid {record.pid} is a zombie")
-        return OwnerLiveness(
-            True,
-            f"owner pid {record.pid} ({stat.comm}) is running (thread {running}; its main thread exited)",
-        )
-    return OwnerLiveness(True, f"owner pid {record.pid} ({stat.comm}) is running")
+        data = json.loads(raw, parse_constant=_refuse_constant, parse_int=_bounded_int)
+        return OwnerRecord.from_json(data), None
+    except RecursionError:
+        return None, "owner record ignored: nested too deeply"
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"owner record ignored: {e}"

@@ -12,12 +12,21 @@ from typing import Annotated
 
 import typer
 
-from shmctl.commands.scan import DEFAULT_ROOT, RootOption
+from shmctl.commands.scan import (
+    DEFAULT_ROOT,
+    AllUsersOption,
+    AssumeOption,
+    NoLeaseOption,
+    RootOption,
+)
 
 
 def metrics(
     root: RootOption = DEFAULT_ROOT,
     grace: Annotated[str, typer.Option("--grace", metavar="DURATION", help="As for scan.")] = "30s",
+    all_users: AllUsersOption = False,
+    assume_not_holding: AssumeOption = None,
+    no_lease: NoLeaseOption = False,
     textfile: Annotated[
         Path | None,
         typer.Option("--textfile", metavar="DIR", help="Write DIR/shmctl.prom atomically instead of stdout."),
@@ -32,7 +41,13 @@ def metrics(
     from shmctl.render import metrics as render
 
     started = time.monotonic()
-    report = scan(root, grace_s=parse_duration(grace, option="--grace"))
+    report = scan(
+        root,
+        grace_s=parse_duration(grace, option="--grace"),
+        all_users=all_users,
+        assume_not_holding=frozenset(assume_not_holding or ()),
+        use_lease=not no_lease,
+    )
     usage = shutil.disk_usage(root)
     text = render.prometheus_text(report, usage, scan_seconds=time.monotonic() - started)
     if textfile is None:

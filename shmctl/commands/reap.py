@@ -16,6 +16,7 @@ from shmctl.commands.scan import (
     AssumeOption,
     GraceOption,
     JsonOption,
+    NoLeaseOption,
     RootOption,
 )
 
@@ -47,6 +48,7 @@ def reap(
     json_output: JsonOption = False,
     all_users: AllUsersOption = False,
     assume_not_holding: AssumeOption = None,
+    no_lease: NoLeaseOption = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", "-n", help="Show what would be removed; remove nothing.")
     ] = False,
@@ -97,6 +99,7 @@ def reap(
         ),
         all_users=all_users,
         assume_not_holding=frozenset(assume_not_holding or ()),
+        use_lease=not no_lease,
     )
     plan = run(dry_run=True)
     if dry_run or not plan.removed:

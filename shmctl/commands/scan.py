@@ -41,8 +41,20 @@ AssumeOption = Annotated[
         "--assume-not-holding",
         metavar="PID",
         help=(
-            "Vouch that PID maps no region although it cannot be inspected "
-            "(a container's init, say). Repeatable. Without it such a process keeps files unknown."
+            "Vouch that PID maps no region although it cannot be inspected. Repeatable. Needed only "
+            "where no write lease can be taken (--no-lease, another uid's files without root)."
+        ),
+    ),
+]
+
+NoLeaseOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-lease",
+        envvar="SHMCTL_NO_LEASE",
+        help=(
+            "Do not take write leases: judge from /proc, locks and owner records alone "
+            "(fail-closed: what they cannot prove stays unknown)."
         ),
     ),
 ]
@@ -56,6 +68,7 @@ def scan(
     json_output: JsonOption = False,
     all_users: AllUsersOption = False,
     assume_not_holding: AssumeOption = None,
+    no_lease: NoLeaseOption = False,
     deleted: Annotated[
         bool,
         typer.Option("--deleted", help="Also list unlinked regions still mapped or open, per process."),
@@ -67,7 +80,7 @@ def scan(
         ),
     ] = 50,
 ) -> None:
-    """Tell live region files from orphans by kernel evidence (holders, locks), never by age."""
+    """Tell live region files from orphans by kernel evidence (lease, holders, locks), never by age."""
     from kvoffload.durations import parse_duration
     from kvoffload.liveness.scan import Status
     from kvoffload.liveness.scan import scan as run_scan
@@ -79,6 +92,7 @@ def scan(
         grace_s=parse_duration(grace, option="--grace"),
         all_users=all_users,
         assume_not_holding=frozenset(assume_not_holding or ()),
+        use_lease=not no_lease,
     )
     render.scan_report(report, json_output=json_output, show_deleted=deleted, limit=limit)
     raise typer.Exit(ExitStatus.FINDINGS if report.with_status(Status.ORPHANED) else ExitStatus.OK)

@@ -104,6 +104,8 @@ def error_line(message: str) -> None:
     sys.stderr.flush()
 
 
-def warning_line(message: str) -> None:
-    sys.stderr.write(f"shmctl: warning: {printable(message, escape_backslash=False)}\n")
+def warning_line(message: str, *, note: bool = False) -> None:
+    """One line on stderr: ``warning`` when something was kept or unproven, ``note`` for information."""
+    kind = "note" if note else "warning"
+    sys.stderr.write(f"shmctl: {kind}: {printable(message, escape_backslash=False)}\n")
     sys.stderr.flush()

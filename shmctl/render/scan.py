@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvoffload.liveness.holders import Holder
+from kvoffload.liveness.namespace import Visibility
 from kvoffload.liveness.reap import ReapReport
-from kvoffload.liveness.scan import ScanEntry, ScanReport, ScanSummary, Status
+from kvoffload.liveness.scan import Evidence, ScanEntry, ScanReport, ScanSummary, Status
 from shmctl.render import console, emit_json, human_age, human_bytes, plain_output, printable, warning_line
 
 if TYPE_CHECKING:
@@ -208,15 +209,57 @@ def _deleted_table(out: Console, report: ScanReport) -> None:
 
 
 def _warn_blind_spots(report: ScanReport) -> None:
+    _note_visibility(report.visibility, report.lease_enabled, report.unseen_holders)
     blind = report.blind_spots
-    if not report.summary.unknown or not blind:
+    unknown = report.with_status(Status.UNKNOWN)
+    if not unknown or not blind or all(e.lease is not None for e in unknown):
         return
     shown = "; ".join(u.describe() for u in blind[:3])
     more = f" and {len(blind) - 3} more" if len(blind) > 3 else ""
     warning_line(
         f"could not inspect {len(blind)} process(es): {shown}{more}. Files they could hold "
-        "are 'unknown' and never reaped; run as root in the engines' PID namespace, or vouch for a "
-        "process with --assume-not-holding PID"
+        f"are 'unknown' and never reaped where no write lease can be taken; {unknown_fix(unknown[0])}"
+    )
+
+
+def _note_visibility(view: Visibility | None, lease_enabled: bool, unseen: Sequence[ScanEntry]) -> None:
+    """Say once when this /proc cannot show every holder: the lease still proves them."""
+    if view is not None and not view.complete:
+        proof = "proven by the write lease, not named" if lease_enabled else "unproven: leases are off"
+        warning_line(f"this scan's /proc shows {view.detail}; holders outside it are {proof}", note=True)
+    elif unseen:
+        warning_line(
+            f"{len(unseen)} file(s) are held by processes this /proc does not show "
+            f"(the write lease was refused): {printable(unseen[0].name)} first",
+            note=True,
+        )
+
+
+def unknown_fix(entry: ScanEntry) -> str:
+    """What an operator can do about a file the evidence could not decide."""
+    error = entry.lease_error or ""
+    if entry.decided_by is Evidence.OWNER:
+        return "its owner process still runs: stop it first, or confirm it does not use the file"
+    if entry.decided_by is Evidence.PROBE:
+        return "it changed during the scan: run the command again"
+    if error.startswith("disabled"):
+        return "drop --no-lease so the write lease can prove it free"
+    if error.startswith("not the file's owner"):
+        return "run as root or as the file's owner, so a write lease can be taken"
+    return (
+        "run as root in the engines' PID namespace, or vouch for a process that maps no region "
+        "with --assume-not-holding PID"
+    )
+
+
+def kept_unknown_line(report: ReapReport) -> None:
+    """One stderr line whenever reap kept files it could not prove dead: never silent."""
+    if not report.unknown:
+        return
+    first = report.unknown[0]
+    warning_line(
+        f"kept {len(report.unknown)} unknown file(s), {human_bytes(report.unknown_resident_bytes)} "
+        f"resident: {printable(first.name)}: {printable(first.reason)} (fix: {unknown_fix(first)})"
     )
 
 
@@ -228,6 +271,8 @@ def _removal_lines(out: _Out, verb: str, entries: Sequence[ScanEntry]) -> list[s
 
 
 def reap_report(report: ReapReport, *, json_output: bool) -> None:
+    _note_visibility(report.visibility, report.lease_enabled, ())
+    kept_unknown_line(report)
     if json_output:
         emit_json(report)
         return

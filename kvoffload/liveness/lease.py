@@ -1,0 +1,135 @@
+"""Evidence from a write lease: does any other open file description of this inode exist?
+
+Linux grants ``fcntl(fd, F_SETLEASE, F_WRLCK)`` only when the caller's fd is the inode's
+only open file description on the whole kernel: any PID or mount namespace, any uid.
+A mapping keeps its file description, so a process that mapped the file and closed its
+fd still counts, and read-only opens count since Linux 5.3. So:
+
+* granted (``free``): nobody anywhere has the file open or mapped. This is proof that no
+  ``/proc`` walk can give: it needs no process to be visible or readable;
+* ``EAGAIN`` (``held``): someone has it, perhaps a process this scan cannot see;
+* anything else (``None``, with the reason): no evidence either way. The caller must own
+  the file (fsuid) or have ``CAP_LEASE``; some filesystems refuse leases.
+
+While a lease is held, another process's ``open`` of the file blocks in the kernel until
+we release it, and we are sent ``SIGIO`` (default action: terminate). So a lease is held
+for microseconds (one file's probe, or one file's check-and-unlink in ``reap``) and only
+inside ``sigio_ignored()``. A pending break shows in ``F_GETLEASE``, which then reports the
+type the lease is being broken to: that is how ``reap`` learns an opener arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+
+_lock = threading.Lock()
+_depth = 0
+_previous: signal.Handlers | None = None
+
+
+class LeaseState(StrEnum):
+    FREE = "free"
+    HELD = "held"
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseProbe:
+    """The lease's answer for one file: ``state`` None means no evidence, ``error`` says why."""
+
+    state: LeaseState | None
+    error: str | None = None
+
+    @property
+    def free(self) -> bool:
+        return self.state is LeaseState.FREE
+
+    @property
+    def held(self) -> bool:
+        return self.state is LeaseState.HELD
+
+
+DISABLED = LeaseProbe(None, "disabled (--no-lease)")
+NOT_PROBED = LeaseProbe(None, "not probed")
+
+
+def unavailable_reason(error: OSError, st_uid: int, fsuid: int) -> str:
+    """Why the kernel gave no lease, in words an operator can act on."""
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return f"not the file's owner (uid {st_uid}, we are {fsuid}) and no CAP_LEASE"
+    if error.errno == errno.EINVAL:
+        return "the filesystem refuses leases (or fs.leases-enable is 0)"
+    return f"F_SETLEASE failed ({errno.errorcode.get(error.errno or 0, str(error))})"
+
+
+def take(fd: int, st_uid: int, fsuid: int) -> LeaseProbe:
+    """Try to take a write lease on ``fd``; on ``free`` the caller holds it until ``release``."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except BlockingIOError:
+        return LeaseProbe(LeaseState.HELD)
+    except OSError as e:
+        return LeaseProbe(None, unavailable_reason(e, st_uid, fsuid))
+    return LeaseProbe(LeaseState.FREE)
+
+
+def broken(fd: int) -> bool:
+    """Has an opener arrived since ``take``? (Then the lease is being broken, or gone.)"""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_WRLCK
+    except OSError:
+        return True  # cannot tell: act as if someone arrived
+
+
+def release(fd: int) -> None:
+    """Give the lease back; a blocked opener proceeds. Closing the fd would do it too."""
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+
+
+def probe(fd: int, st_uid: int, fsuid: int) -> LeaseProbe:
+    """Take and release at once: the answer, held for two syscalls."""
+    answer = take(fd, st_uid, fsuid)
+    if answer.free:
+        release(fd)
+    return answer
+
+
+@contextlib.contextmanager
+def sigio_ignored() -> Iterator[str | None]:
+    """Make sure a lease break cannot kill this process; yields None, or why leases are unsafe.
+
+    The kernel sends ``SIGIO`` to a lease holder when another process opens the file. Its
+    default action terminates the process, so while leases may be taken ``SIGIO`` is
+    ignored (the break itself is what ``broken`` reads). Only the main thread may change a
+    signal's disposition: elsewhere leases are safe only if the program already handles or
+    ignores ``SIGIO`` (a long-running host can call this once from its main thread).
+    Nested and concurrent uses share one change, undone by the last to leave.
+    """
+    global _depth, _previous
+    unsafe = None
+    with _lock:
+        default = _depth == 0 and signal.getsignal(signal.SIGIO) is signal.SIG_DFL
+        if default and threading.current_thread() is not threading.main_thread():
+            unsafe = "SIGIO has its default action (terminate) and only the main thread can change it"
+        else:
+            if default:
+                _previous = signal.signal(signal.SIGIO, signal.SIG_IGN)  # type: ignore[assignment]
+            _depth += 1
+    if unsafe is not None:
+        yield unsafe
+        return
+    try:
+        yield None
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _previous is not None:
+                signal.signal(signal.SIGIO, _previous)
+                _previous = None

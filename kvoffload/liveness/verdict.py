@@ -1,0 +1,180 @@
+"""The verdict: one function that combines every source of evidence for a region.
+
+A region (a base file and its segments ``.mmap.N``) is one unit: any file of it held,
+unprobed or unknown keeps the whole group. The first evidence that decides, in order:
+
+1. ``proc``: a visible process has a file open or mapped: ``live``, naming it;
+2. ``lock``: a kvoffload participant holds its lock (any namespace): ``live``;
+3. ``lease``: the write lease was refused, so some open file description exists that
+   ``/proc`` did not show (another PID namespace, an uninspectable process): ``live``;
+4. ``probe``: a file could not be probed (replaced, unreadable): ``unknown``;
+5. without a granted lease on every file, the ``/proc`` walk must be complete: an
+   uninspected process, or a ``/proc`` that does not list every process on the kernel,
+   leaves the region ``unknown`` (fail-closed: absent is not "not holding");
+6. ``owner``: the recorded creator still runs: ``unknown``;
+7. ``age``: changed within the grace period: ``starting``;
+8. otherwise ``orphaned``, decided by the lease where it was granted on every file
+   (no process anywhere has it open or mapped), else by the complete ``/proc`` walk.
+
+Only ``orphaned`` is ever reaped. The reason names the evidence that decided it, and
+``decided_by`` says the same for machines.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvoffload.liveness.holders import Holder, Uninspected
+from kvoffload.liveness.lease import LeaseProbe
+from kvoffload.liveness.namespace import Visibility
+from kvoffload.liveness.ownership import OwnerLiveness
+
+#: A modification time further ahead of the clock than this was set by hand (``touch -d``),
+#: not by a write: it is ignored for age, and the kernel-set ctime is used instead.
+CLOCK_SKEW_S = 5.0
+
+
+class Status(StrEnum):
+    LIVE = "live"
+    ORPHANED = "orphaned"
+    STARTING = "starting"
+    UNKNOWN = "unknown"
+    SKIPPED = "skipped"
+
+
+class Evidence(StrEnum):
+    """Which source decided a verdict."""
+
+    PROC = "proc"
+    LOCK = "lock"
+    LEASE = "lease"
+    PROBE = "probe"
+    OWNER = "owner"
+    AGE = "age"
+    FILE = "file"  # skipped: the entry is not ours to judge (a link, another user's file)
+
+
+@dataclass(frozen=True, slots=True)
+class FileEvidence:
+    """What each source said about one file of a region."""
+
+    name: str
+    st: os.stat_result
+    holders: tuple[Holder, ...]
+    lock_held: bool | None
+    lease: LeaseProbe
+    #: Locked in ``/proc/locks`` by a process this ``/proc`` does not show.
+    anonymous_lock: bool = False
+    #: Why the file could not be probed at all, if it could not.
+    problem: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScannerView:
+    """What the scanner itself can see: processes it could not read, and whether ``/proc`` is whole."""
+
+    blind_spots: tuple[Uninspected, ...]
+    visibility: Visibility
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    status: Status
+    reason: str
+    decided_by: Evidence
+
+
+def age_s(st: os.stat_result, when: float) -> float:
+    """Seconds since the file last changed, never negative, robust to a hand-set future mtime.
+
+    ctime moves on creation, ftruncate, xattr writes and first-touch writes, and only the
+    kernel sets it; mtime is kept in case a filesystem lags. Age only delays a verdict
+    (the grace period); it never proves death.
+    """
+    changed = st.st_ctime if st.st_mtime > when + CLOCK_SKEW_S else max(st.st_mtime, st.st_ctime)
+    return max(0.0, when - changed)
+
+
+def decide(
+    files: Sequence[FileEvidence],
+    view: ScannerView,
+    *,
+    owner: OwnerLiveness | None,
+    base_empty: bool,
+    age: float,
+    grace_s: float,
+) -> Verdict:
+    """The region's verdict and the reason for it (module docstring, steps 1-8)."""
+    holders = {h.pid: h for f in files for h in f.holders}
+    if holders:
+        shown = ", ".join(f"{h.pid}:{h.name}" for h in list(holders.values())[:3])
+        more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
+        return Verdict(Status.LIVE, f"held by {len(holders)} process(es): {shown}{more}", Evidence.PROC)
+    if any(f.lock_held for f in files):
+        return Verdict(
+            Status.LIVE,
+            "kvoffload lock held by a participant (possibly in another PID namespace)",
+            Evidence.LOCK,
+        )
+    if any(f.lease.held for f in files):
+        return Verdict(
+            Status.LIVE,
+            f"held by a process this scan cannot see: the write lease was refused ({_unseen_cause(view)})",
+            Evidence.LEASE,
+        )
+    if any(f.anonymous_lock for f in files):
+        return Verdict(Status.LIVE, "locked by a process outside our PID namespace", Evidence.PROC)
+    problems = [f"{f.name}: {f.problem}" for f in files if f.problem]
+    if problems:
+        return Verdict(Status.UNKNOWN, f"{problems[0]}; liveness unproven", Evidence.PROBE)
+
+    proven = all(f.lease.free for f in files)
+    if not proven:
+        no_lease = next(f.lease.error for f in files if not f.lease.free) or "not taken"
+        blind = view.blind_spots
+        if blind:
+            who = (
+                blind[0].describe()
+                if len(blind) == 1
+                else f"{len(blind)} processes ({blind[0].describe()}, ...)"
+            )
+            return Verdict(
+                Status.UNKNOWN,
+                f"cannot inspect {who} and no write lease ({no_lease}); liveness unproven",
+                Evidence.PROC,
+            )
+        if not view.visibility.complete:
+            return Verdict(
+                Status.UNKNOWN,
+                f"no write lease ({no_lease}) and this /proc does not show every process "
+                f"({view.visibility.detail}); liveness unproven",
+                Evidence.PROC,
+            )
+    nobody = (
+        "no process anywhere has it open or mapped (write lease granted)"
+        if proven
+        else f"no process maps or opens it (every process inspected; no write lease: {no_lease})"
+    )
+    if owner is not None and owner.alive is True:
+        return Verdict(Status.UNKNOWN, f"{owner.reason}, yet {nobody}; liveness unproven", Evidence.OWNER)
+    if age < grace_s:
+        return Verdict(
+            Status.STARTING,
+            f"{nobody} yet; changed {age:.0f}s ago, within the {grace_s:g}s grace period",
+            Evidence.AGE,
+        )
+    reason = f"empty base file and {nobody}: its creator died before sizing it" if base_empty else nobody
+    if owner is not None:
+        reason += f"; {owner.reason}"
+    return Verdict(Status.ORPHANED, reason, Evidence.LEASE if proven else Evidence.PROC)
+
+
+def _unseen_cause(view: ScannerView) -> str:
+    if not view.visibility.complete:
+        return f"likely a process in another PID namespace: this scan runs in {view.visibility.detail}"
+    if view.blind_spots:
+        return f"likely the uninspectable {view.blind_spots[0].describe()}"
+    return "a process that opened it after the /proc pass, or holds it where /proc did not show"
