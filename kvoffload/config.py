@@ -12,6 +12,12 @@ Sizing follows vLLM 0.33 (``cpu/spec.py``) exactly:
     cpu_page_size_per_worker = bytes_per_chunk // copies
     kv_bytes_per_chunk   = round_up(bytes_per_chunk, PAGESIZE)
     num_chunks           = cpu_bytes_to_use // kv_bytes_per_chunk
+
+The input is hostile until checked: a config file is read only if it is a regular file of
+at most ``MAX_CONFIG_BYTES`` (``--config /dev/zero`` or a FIFO would never end), JSON or
+TOML nested past the recursion limit or holding an integer longer than Python converts is
+a ``ConfigError``, and every number has a sane maximum (``MAX_CPU_BYTES`` and the like), so
+no arithmetic on it later can overflow a float, a C long or a sleep.
 """
 
 from __future__ import annotations
@@ -19,7 +25,11 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import re
+import stat
+import sys
+import tomllib
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -70,6 +80,19 @@ _EXTRA_KEYS = frozenset(
         "backpressure",
     }
 )
+
+#: A configuration is a few hundred bytes; anything past this is not one (``/dev/zero``).
+MAX_CONFIG_BYTES = 1 << 20
+#: 1 EiB: more memory than any host has, and far below the attach ledger's lock offset
+#: (``1 << 62``) and ``off_t``, so every size derived from it is representable.
+MAX_CPU_BYTES = 1 << 60
+#: A chunk of a million GPU blocks is already far past any real chunk.
+MAX_BLOCKS_PER_CHUNK = 1 << 20
+#: Counts (tracked blocks, sightings before a store) beyond 2**32 mean nothing.
+MAX_COUNT = 1 << 32
+#: An hour between polls of the secondary tiers is already no polling (and Event.wait
+#: overflows far past it).
+MAX_TIER_POLL_INTERVAL_S = 3600.0
 
 Lifetime = Literal["kvoffload", "vllm"]
 #: ASCII digits only: ``str.isdigit()`` is also true of '²', which ``int()`` refuses.
@@ -203,8 +226,8 @@ class OffloadingConfig:
 
         _check_int("world_size", world_size, minimum=1)
         _check_range("rank", _check_int("rank", rank, minimum=0), 0, world_size - 1)
-        _check_int("gpu_block_size", gpu_block_size, minimum=1)
-        _check_int("worker_kv_bytes_per_block", worker_kv_bytes_per_block, minimum=1)
+        _check_int("gpu_block_size", gpu_block_size, minimum=1, maximum=MAX_BLOCKS_PER_CHUNK)
+        _check_int("worker_kv_bytes_per_block", worker_kv_bytes_per_block, minimum=1, maximum=MAX_CPU_BYTES)
         if lifetime not in ("kvoffload", "vllm"):
             raise ConfigError("lifetime", f"{lifetime!r} is neither 'kvoffload' nor 'vllm'")
 
@@ -235,7 +258,7 @@ class OffloadingConfig:
                     f"unknown eviction policy {eviction_policy!r}",
                     fix="use one of: " + ", ".join(KNOWN_POLICIES) + " (or set cache_policy_module_path)",
                 )
-        store_threshold = _extra_int(extra, "store_threshold", 0, minimum=0)
+        store_threshold = _extra_int(extra, "store_threshold", 0, minimum=0, maximum=MAX_COUNT)
         if spec_name == "TieringOffloadingSpec" and store_threshold >= 2:
             raise ConfigError(
                 "kv_connector_extra_config.store_threshold",
@@ -246,6 +269,12 @@ class OffloadingConfig:
         poll = extra.get("tier_poll_interval_s", 0.001)
         if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not _finite(poll):
             raise ConfigError("kv_connector_extra_config.tier_poll_interval_s", "must be a number of seconds")
+        if poll > MAX_TIER_POLL_INTERVAL_S:
+            raise ConfigError(
+                "kv_connector_extra_config.tier_poll_interval_s",
+                f"must be at most {MAX_TIER_POLL_INTERVAL_S:g} seconds, got {_shown(poll)}",
+                fix="poll the secondary tiers at least once an hour (vLLM's default is 0.001)",
+            )
 
         return cls(
             engine_id=engine_id,
@@ -260,7 +289,7 @@ class OffloadingConfig:
             eviction_policy=eviction_policy,
             cache_policy_module_path=module_path,
             store_threshold=store_threshold,
-            max_tracker_size=_extra_int(extra, "max_tracker_size", 64_000, minimum=1),
+            max_tracker_size=_extra_int(extra, "max_tracker_size", 64_000, minimum=1, maximum=MAX_COUNT),
             offload_prompt_only=_extra_bool(extra, "offload_prompt_only", True),
             canonical_layout=_extra_bool(extra, "canonical_layout", False),
             secondary_tiers=tiers,
@@ -280,19 +309,133 @@ def _replace(config: OffloadingConfig, **changes: Any) -> OffloadingConfig:
 
 def _load_top(raw: str | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
+        if len(raw) > MAX_CONFIG_BYTES:
             raise ConfigError(
                 "kv_transfer_config",
-                f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}",
-                fix="quote the JSON in single quotes in the shell",
-            ) from None
-        except RecursionError:
-            raise ConfigError("kv_transfer_config", "JSON nested too deeply to be a configuration") from None
+                f"{len(raw)} characters is more than the {_MIB_TEXT} a configuration may have",
+                fix="give vLLM's --kv-transfer-config JSON, a few hundred bytes",
+            )
+        raw = _decode_json(raw, "kv_transfer_config", fix="quote the JSON in single quotes in the shell")
     if not isinstance(raw, Mapping):
         raise ConfigError("kv_transfer_config", "must be a JSON object")
     return raw
+
+
+_MIB_TEXT = f"{MAX_CONFIG_BYTES >> 20} MiB"
+_TOO_DEEP = "nested too deeply to be a configuration"
+_TOO_DEEP_FIX = "a configuration is objects a few levels deep"
+_DIGITS_FIX = "no setting needs more than 20 digits"
+
+
+def _too_many_digits() -> str:
+    return f"holds an integer longer than {sys.get_int_max_str_digits()} digits"
+
+
+def _decode_json(text: str, key: str, *, prefix: str = "", fix: str) -> Any:
+    """``json.loads(text)``, every failure a ``ConfigError(key, ...)``: syntax, depth, digits."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            key, f"{prefix}malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", fix=fix
+        ) from None
+    except RecursionError:
+        raise ConfigError(key, f"{prefix}JSON {_TOO_DEEP}", fix=_TOO_DEEP_FIX) from None
+    except ValueError:  # int() past sys.get_int_max_str_digits(); JSONDecodeError is caught above
+        raise ConfigError(key, f"{prefix}JSON {_too_many_digits()}", fix=_DIGITS_FIX) from None
+
+
+def read_kv_transfer_config(path: Path | str) -> Mapping[str, Any]:
+    """Parse ``path`` as TOML when it ends in ``.toml``, else as JSON; ``ConfigError`` if it is not
+    a regular file of at most ``MAX_CONFIG_BYTES`` holding a configuration."""
+    path = Path(path)
+    text = _read_config_text(path)
+    if path.suffix.lower() == ".toml":
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(
+                "--config", f"{path}: malformed TOML: {e}", fix="correct the TOML there"
+            ) from None
+        except RecursionError:
+            raise ConfigError("--config", f"{path}: TOML {_TOO_DEEP}", fix=_TOO_DEEP_FIX) from None
+        except ValueError:  # int() past sys.get_int_max_str_digits()
+            raise ConfigError("--config", f"{path}: TOML {_too_many_digits()}", fix=_DIGITS_FIX) from None
+    else:
+        data = _decode_json(text, "--config", prefix=f"{path}: ", fix="name a TOML file *.toml")
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            "--config",
+            f"{path}: the top level must be a JSON object",
+            fix='write vLLM\'s JSON: {"kv_connector": "OffloadingConnector", ...}',
+        )
+    return data
+
+
+_READ_FIX = "give a file this user can read"
+
+
+def _read_config_text(path: Path) -> str:
+    # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer before the
+    # fstat below could refuse it. The type is checked on the open fd, not by a stat of
+    # the path, so a swap between the check and the read changes nothing.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError("--config", f"{path} does not exist", fix="check the file's name") from None
+    except OSError as e:
+        raise ConfigError("--config", f"cannot read {path}: {e.strerror or e}", fix=_READ_FIX) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(
+                "--config",
+                f"{path} is {_file_kind(mode)}, not a regular file",
+                fix='give a JSON or TOML file (for a pipe: --kv-transfer-config "$(cat ...)")',
+            )
+        # fstat's size may lie (procfs says 0) or change under us: read one byte past the bound.
+        data = b""
+        while len(data) <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError as e:
+        raise ConfigError("--config", f"cannot read {path}: {e.strerror or e}", fix=_READ_FIX) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            "--config",
+            f"{path} is larger than the {_MIB_TEXT} a configuration may have",
+            fix="give vLLM's --kv-transfer-config JSON (or its TOML), a few hundred bytes",
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            "--config",
+            f"cannot read {path}: not UTF-8 ({e.reason} at byte {e.start})",
+            fix="save it as UTF-8",
+        ) from None
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def _shown(value: float) -> str:
+    """``value`` for an error message: ``str()`` of an int past 4300 digits raises ValueError."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"a {value.bit_length()}-bit number"
+    return str(value)
 
 
 def _finite(value: float) -> bool:
@@ -302,17 +445,21 @@ def _finite(value: float) -> bool:
         return False
 
 
-def _check_int(key: str, value: object, *, minimum: int | None = None) -> int:
+def _check_int(key: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(key, f"must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
-        raise ConfigError(key, f"must be >= {minimum}, got {value}")
+        raise ConfigError(key, f"must be >= {minimum}, got {_shown(value)}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(
+            key, f"must be at most {maximum}, got {_shown(value)}", fix=f"use at most {maximum}"
+        )
     return value
 
 
 def _check_range(key: str, value: int, low: int, high: int) -> int:
     if not low <= value <= high:
-        raise ConfigError(key, f"{value} is outside {low}..{high}")
+        raise ConfigError(key, f"{_shown(value)} is outside {low}..{high}")
     return value
 
 
@@ -322,8 +469,12 @@ def _check_bool(key: str, value: object) -> bool:
     return value
 
 
-def _extra_int(extra: Mapping[str, Any], key: str, default: int, *, minimum: int) -> int:
-    return _check_int(f"kv_connector_extra_config.{key}", extra.get(key, default), minimum=minimum)
+def _extra_int(
+    extra: Mapping[str, Any], key: str, default: int, *, minimum: int, maximum: int | None = None
+) -> int:
+    return _check_int(
+        f"kv_connector_extra_config.{key}", extra.get(key, default), minimum=minimum, maximum=maximum
+    )
 
 
 def _extra_bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -348,12 +499,19 @@ def _cpu_bytes(extra: Mapping[str, Any]) -> int:
         raise ConfigError(key, f"must be a number of bytes, got {value!r}")
     if isinstance(value, float) and value.is_integer():
         value = int(value)
+    too_large = f"must be at most {MAX_CPU_BYTES} bytes (1 EiB)"
+    too_large_fix = "give the bytes of CPU memory to use, the total across all workers"
     if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
-        value = int(value)  # vLLM int()-converts it
+        digits = value.strip().lstrip("0") or "0"
+        if len(digits) > 20:  # int() refuses past sys.get_int_max_str_digits()
+            raise ConfigError(key, f"{too_large}, got a {len(digits)}-digit number", fix=too_large_fix)
+        value = int(digits)  # vLLM int()-converts it
     if not isinstance(value, int):
         raise ConfigError(key, f"must be a whole number of bytes, got {value!r}")
     if value <= 0:
-        raise ConfigError(key, f"must be positive, got {value}")
+        raise ConfigError(key, f"must be positive, got {_shown(value)}")
+    if value > MAX_CPU_BYTES:
+        raise ConfigError(key, f"{too_large}, got {_shown(value)}", fix=too_large_fix)
     return value
 
 
@@ -367,9 +525,11 @@ def _blocks_per_chunk(extra: Mapping[str, Any], gpu_block_size: int) -> int:
             fix="keep one of them",
         )
     if has_bpc:
-        return _extra_int(extra, "blocks_per_chunk", 1, minimum=1)
+        return _extra_int(extra, "blocks_per_chunk", 1, minimum=1, maximum=MAX_BLOCKS_PER_CHUNK)
     if has_block_size:
-        block_size = _extra_int(extra, "block_size", gpu_block_size, minimum=1)
+        block_size = _extra_int(
+            extra, "block_size", gpu_block_size, minimum=1, maximum=gpu_block_size * MAX_BLOCKS_PER_CHUNK
+        )
         if block_size % gpu_block_size:
             raise ConfigError(
                 "kv_connector_extra_config.block_size",

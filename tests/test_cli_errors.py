@@ -207,3 +207,55 @@ def test_a_malformed_failpoint_variable_does_not_break_commands_that_inject_noth
     done = shmctl("scan", "--root", str(root), env={"KVOFFLOAD_FAILPOINTS": "no-such-point=explode"})
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == f"no region files in {root}\n"
+
+
+INIT_WITH_FILE = ["init", "--root", ROOT, "--dry-run", "--kv-bytes-per-block", "4096", "--config"]
+BIG_INT = "1" + "0" * 4000  # int() takes it; the sizing's float division overflowed on it
+
+
+def _hostile_config(tmp_path: Path, kind: str) -> Path:
+    """A --config argument that used to hang, eat memory or end in a traceback."""
+    if kind == "dev-zero":
+        return Path("/dev/zero")
+    path = tmp_path / ("engine.toml" if kind.endswith("-toml") else "engine.json")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "over-1-MiB":
+        path.write_text("{}" + " " * (1 << 20))
+    elif kind == "deep":
+        path.write_text("[" * 100_000)
+    elif kind == "deep-toml":
+        path.write_text("a = " + "[" * 100_000)
+    elif kind == "5000-digits":
+        path.write_text('{"kv_connector_extra_config": {"cpu_bytes_to_use": 1' + "0" * 5000 + "}}")
+    elif kind == "5000-digits-toml":
+        path.write_text("[kv_connector_extra_config]\ncpu_bytes_to_use = 1" + "0" * 5000 + "\n")
+    elif kind == "4000-digits":
+        path.write_text('{"kv_connector_extra_config": {"cpu_bytes_to_use": ' + BIG_INT + "}}")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "names"),
+    [
+        ("dev-zero", "--config: {path} is a character device, not a regular file"),
+        ("fifo", "--config: {path} is a FIFO, not a regular file"),
+        ("over-1-MiB", "--config: {path} is larger than the 1 MiB"),
+        ("deep", "--config: {path}: JSON nested too deeply"),
+        ("deep-toml", "--config: {path}: TOML nested too deeply"),
+        ("5000-digits", "--config: {path}: JSON holds an integer longer than 4300 digits"),
+        ("5000-digits-toml", "--config: {path}: TOML holds an integer longer than 4300 digits"),
+        ("4000-digits", "kv_connector_extra_config.cpu_bytes_to_use: must be at most"),
+    ],
+)
+def test_a_hostile_config_file_is_one_line_naming_it_and_nothing_is_allocated(
+    kind: str, names: str, root: Path, tmp_path: Path
+) -> None:
+    path = _hostile_config(tmp_path, kind)
+    run_case(Case("init", (*INIT_WITH_FILE, str(path)), USAGE, names.format(path=path)), root)
+
+
+def test_an_integer_of_4000_digits_in_kv_transfer_config_is_one_line_naming_the_key(root: Path) -> None:
+    document = '{"kv_connector_extra_config": {"cpu_bytes_to_use": ' + BIG_INT + "}}"
+    argv = ("init", "--root", ROOT, "--dry-run", "--kv-bytes-per-block", "4096")
+    run_case(Case("init", (*argv, "--kv-transfer-config", document), USAGE, "cpu_bytes_to_use"), root)

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvoffload.config import PAGESIZE, OffloadingConfig, OffloadingSizing
+from kvoffload.config import (
+    MAX_CONFIG_BYTES,
+    MAX_CPU_BYTES,
+    PAGESIZE,
+    OffloadingConfig,
+    OffloadingSizing,
+    read_kv_transfer_config,
+)
 from kvoffload.errors import ConfigError
 
 
@@ -134,3 +145,129 @@ def test_invalid_geometry_names_the_field(field: str, value: Any) -> None:
     with pytest.raises(ConfigError) as info:
         OffloadingConfig.from_kv_transfer_config(kv({"cpu_bytes_to_use": 1 << 20}), **args)
     assert info.value.key == field
+
+
+# ------------------------------------------------------------------------------ hostile input
+
+DIGITS_4000 = "1" + "0" * 4000  # within Python's int() limit: parses, then overflows a float
+DIGITS_5000 = "1" + "0" * 5000  # past it: json.loads itself raises ValueError
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"cpu_bytes_to_use": MAX_CPU_BYTES + 1}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 10**4000}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 10**5000}, "cpu_bytes_to_use"),  # str() of it raises ValueError
+        ({"cpu_bytes_to_use": 1e300}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": DIGITS_5000}, "cpu_bytes_to_use"),  # vLLM int()-converts strings
+        ({"cpu_bytes_to_use": 1 << 20, "blocks_per_chunk": 10**4000}, "blocks_per_chunk"),
+        ({"cpu_bytes_to_use": 1 << 20, "block_size": 16 << 30}, "block_size"),
+        ({"cpu_bytes_to_use": 1 << 20, "max_tracker_size": 10**4000}, "max_tracker_size"),
+        ({"cpu_bytes_to_use": 1 << 20, "store_threshold": 10**4000}, "store_threshold"),
+        ({"cpu_bytes_to_use": 1 << 20, "tier_poll_interval_s": 1e300}, "tier_poll_interval_s"),
+    ],
+)
+def test_a_number_past_its_sane_maximum_is_a_config_error_naming_the_key(
+    extra: dict[str, Any], key: str
+) -> None:
+    with pytest.raises(ConfigError, match="at most") as info:
+        OffloadingConfig.from_kv_transfer_config(
+            {"kv_connector_extra_config": extra}, worker_kv_bytes_per_block=64
+        )
+    assert info.value.key == f"kv_connector_extra_config.{key}"
+    assert info.value.fix is not None
+
+
+def test_the_largest_cpu_bytes_to_use_is_1_eib() -> None:
+    cfg = OffloadingConfig.from_kv_transfer_config(
+        kv({"cpu_bytes_to_use": MAX_CPU_BYTES}), worker_kv_bytes_per_block=64
+    )
+    assert cfg.cpu_bytes_to_use == MAX_CPU_BYTES == 1 << 60
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("worker_kv_bytes_per_block", 10**4000), ("gpu_block_size", 10**30)]
+)
+def test_geometry_past_its_sane_maximum_names_the_field(field: str, value: int) -> None:
+    args: dict[str, Any] = {"worker_kv_bytes_per_block": 64, field: value}
+    with pytest.raises(ConfigError, match="at most") as info:
+        OffloadingConfig.from_kv_transfer_config(kv({"cpu_bytes_to_use": 1 << 20}), **args)
+    assert info.value.key == field
+    assert info.value.fix is not None
+
+
+def test_json_holding_an_integer_longer_than_python_converts_is_a_config_error() -> None:
+    document = '{"kv_connector_extra_config": {"cpu_bytes_to_use": ' + DIGITS_5000 + "}}"
+    with pytest.raises(ConfigError, match="longer than 4300 digits") as info:
+        OffloadingConfig.from_kv_transfer_config(document, worker_kv_bytes_per_block=64)
+    assert info.value.key == "kv_transfer_config"
+
+
+def test_kv_transfer_config_text_past_1_mib_is_refused_before_it_is_parsed() -> None:
+    document = kv({"cpu_bytes_to_use": 1 << 20}) + " " * MAX_CONFIG_BYTES
+    with pytest.raises(ConfigError, match="1 MiB") as info:
+        OffloadingConfig.from_kv_transfer_config(document, worker_kv_bytes_per_block=64)
+    assert info.value.key == "kv_transfer_config"
+
+
+def _fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "engine.json"
+    os.mkfifo(path)
+    return path
+
+
+def _big(tmp_path: Path) -> Path:
+    path = tmp_path / "engine.json"
+    path.write_text(kv({"cpu_bytes_to_use": 1 << 20}) + " " * MAX_CONFIG_BYTES)
+    return path
+
+
+@pytest.mark.timeout(20)  # the FIFO used to block in open() forever, /dev/zero to read forever
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda tmp: Path("/dev/zero"), "/dev/zero is a character device, not a regular file"),
+        (_fifo, "is a FIFO, not a regular file"),
+        (lambda tmp: tmp, "is a directory, not a regular file"),
+        (_big, "is larger than the 1 MiB a configuration may have"),
+    ],
+    ids=["dev-zero", "fifo", "directory", "over-1-MiB"],
+)
+def test_a_config_file_must_be_a_regular_file_of_at_most_1_mib(
+    tmp_path: Path, make: Callable[[Path], Path], says: str
+) -> None:
+    path = make(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(says)) as info:
+        read_kv_transfer_config(path)
+    assert info.value.key == "--config"
+    assert str(path) in str(info.value)
+    assert info.value.fix is not None
+
+
+def test_a_config_file_of_exactly_1_mib_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "engine.json"
+    document = kv({"cpu_bytes_to_use": 1 << 20})
+    path.write_text(document + " " * (MAX_CONFIG_BYTES - len(document)))
+    assert path.stat().st_size == MAX_CONFIG_BYTES
+    assert read_kv_transfer_config(path)["kv_connector_extra_config"] == {"cpu_bytes_to_use": 1 << 20}
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "says"),
+    [
+        ("deep.json", "[" * 100_000, "JSON nested too deeply"),
+        ("deep.toml", "a = " + "[" * 100_000, "TOML nested too deeply"),
+        ("digits.json", '{"a": ' + DIGITS_5000 + "}", "JSON holds an integer longer than 4300 digits"),
+        ("digits.toml", "a = " + DIGITS_5000, "TOML holds an integer longer than 4300 digits"),
+    ],
+)
+def test_a_config_file_too_deep_or_with_too_many_digits_is_a_config_error_naming_it(
+    tmp_path: Path, name: str, text: str, says: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: {says}")) as info:
+        read_kv_transfer_config(path)
+    assert info.value.key == "--config"
+    assert info.value.fix is not None

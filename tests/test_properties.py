@@ -19,7 +19,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from kvoffload import faults
-from kvoffload.config import OffloadingConfig
+from kvoffload.config import MAX_CPU_BYTES, OffloadingConfig
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.durations import MAX_DURATION_S, parse_duration
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault
@@ -348,6 +348,8 @@ TOP = st.fixed_dictionaries(
 )
 
 
+#: 4000 digits pass int() and then overflowed the sizing; 5000 fail int() inside json.loads.
+HUGE_CPU_BYTES = '{"kv_connector_extra_config": {"cpu_bytes_to_use": 1' + "0" * 4000 + "}}"
 INFINITE_POLL = '{"kv_connector_extra_config": {"cpu_bytes_to_use": 4096, "tier_poll_interval_s": 1e999}}'
 
 
@@ -381,13 +383,15 @@ def test_any_json_is_a_config_or_a_config_error_and_nothing_is_allocated_before_
             )
         )
         @example(document=INFINITE_POLL)
+        @example(document=HUGE_CPU_BYTES)
+        @example(document=HUGE_CPU_BYTES.replace("1" + "0" * 4000, "1" + "0" * 5000))
         def check(document: str) -> None:
             config = _load(document, root)
             if config is not None:
                 spec_class = TieringOffloadingSpec if config.is_tiering else CPUOffloadingSpec
                 spec_class(config)  # a spec allocates nothing until get_manager/create_worker
                 assert math.isfinite(config.tier_poll_interval_s)
-                assert config.cpu_bytes_to_use > 0
+                assert 0 < config.cpu_bytes_to_use <= MAX_CPU_BYTES
             assert os.listdir(root) == []
             assert region_fds() == fds_before
 

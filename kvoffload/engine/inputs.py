@@ -7,42 +7,16 @@ will run. The bytes per GPU block come from ``--kv-bytes-per-block`` or a model 
 
 from __future__ import annotations
 
-import json
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvoffload.config import Lifetime, OffloadingConfig
+from kvoffload.config import Lifetime, OffloadingConfig, read_kv_transfer_config
 from kvoffload.errors import ConfigError
 from kvoffload.presets import PRESETS, get_preset
 
-
-def read_kv_transfer_config(path: Path | str) -> Mapping[str, Any]:
-    """Parse ``path`` as TOML when it ends in ``.toml``, else as JSON; ``ConfigError`` if malformed."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError("--config", f"{path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("--config", f"cannot read {path}: {e}") from None
-    if path.suffix.lower() == ".toml":
-        try:
-            return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError("--config", f"{path}: malformed TOML: {e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            "--config",
-            f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}",
-            fix="name a TOML file *.toml",
-        ) from None
-    if not isinstance(data, Mapping):
-        raise ConfigError("--config", f"{path}: the top level must be a JSON object")
-    return data
+#: read_kv_transfer_config lives in kvoffload.config (the bounded reader); still importable here.
+__all__ = ["load_config", "read_kv_transfer_config"]
 
 
 def load_config(
