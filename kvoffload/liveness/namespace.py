@@ -41,12 +41,8 @@ def visibility(proc_root: Path = procfs.PROC_ROOT) -> Visibility:
         )
     if own == INITIAL_PID_NAMESPACE:
         return Visibility(True, own, depth, "the initial PID namespace")
-    levels = f" (NSpid depth {depth})" if depth else ""
     return Visibility(
-        False,
-        own,
-        depth,
-        f"a child PID namespace {own}{levels}: processes outside it are invisible from here",
+        False, own, depth, f"a child PID namespace {own}: processes outside it are invisible from here"
     )
 
 

@@ -10,6 +10,14 @@ from typing import Annotated
 
 import typer
 
+
+def _root_path(text: str | Path) -> Path:
+    # Path("") is ".": an empty --root (or SHMCTL_ROOT='') would judge the current directory.
+    if isinstance(text, str) and not text.strip():
+        raise typer.BadParameter("is empty (it would mean the current directory); pass --root /dev/shm")
+    return Path(text)
+
+
 RootOption = Annotated[
     Path,
     typer.Option(
@@ -18,9 +26,9 @@ RootOption = Annotated[
         metavar="PATH",
         help="Directory holding the region files.",
         show_default=True,
-        # The library reports an unreadable root (exit 3, with a fix); click's own check
+        # The library reports an unreadable root (exit 3, with a fix); click's own path check
         # would make it a usage error (exit 2) without one.
-        readable=False,
+        parser=_root_path,
     ),
 ]
 GraceOption = Annotated[

@@ -40,7 +40,8 @@ def audit_report(report: AuditReport, *, json_output: bool) -> None:
             markup=False,
         )
     out.print(
-        f"  remove orphans with: shmctl reap --root {shlex.quote(str(report.root))} --grace 0s", markup=False
+        f"  remove orphans with: shmctl reap --root {shlex.quote(str(report.root))} --grace 0s --yes",
+        markup=False,
     )
 
 

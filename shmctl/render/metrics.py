@@ -28,6 +28,13 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _number(value: float) -> str:
+    """Exact: integers as integers, floats with every digit (repr), never ``:g``'s six."""
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
 def prometheus_text(report: ScanReport, usage: DiskUsage, *, scan_seconds: float) -> str:
     root = _label(str(report.root))
     lines: list[str] = []
@@ -36,7 +43,8 @@ def prometheus_text(report: ScanReport, usage: DiskUsage, *, scan_seconds: float
         lines.append(f"# HELP {name} {help_text}")
         lines.append(f"# TYPE {name} {kind}")
         for labels, value in samples:
-            lines.append(f"{name}{{{labels}}} {value:g}" if labels else f"{name} {value:g}")
+            text = _number(value)
+            lines.append(f"{name}{{{labels}}} {text}" if labels else f"{name} {text}")
 
     per_status = {s: [e for e in report.entries if e.status is s] for s in Status}
     metric(
