@@ -92,7 +92,8 @@ def test_a_region_mapped_but_deleted_on_another_filesystem_is_not_this_roots(
 def test_an_empty_root_is_a_usage_error_not_the_current_directory(tmp_path: Path, command: str) -> None:
     orphan = write_file(tmp_path / "vllm_offload_cwd.mmap")
     extra = ("--yes", "--grace", "0s") if command == "reap" else ()
-    for args, env in ((("--root", ""), None), ((), {"SHMCTL_ROOT": ""})):
+    # (An empty SHMCTL_ROOT counts as unset, as click reads every environment variable: /dev/shm.)
+    for args, env in ((("--root", ""), None), (("--root", " "), None)):
         result = subprocess.run(
             [sys.executable, "-m", "shmctl", command, *args, *extra],
             capture_output=True,
@@ -140,3 +141,25 @@ def test_the_reap_command_audit_prints_works_as_printed(root: Path, engine_id: s
     )
     assert ran.returncode == 0, ran.stderr
     assert not path.exists()
+
+
+def test_metrics_counts_an_orphan_without_vouching_and_takes_scans_options(
+    root: Path, engine_id: str
+) -> None:
+    path = leave_orphan(root, engine_id)
+    resident = os.stat(path).st_blocks * 512
+    plain = shmctl("metrics", "--root", str(root), "--grace", "0s")
+    unleased = shmctl(
+        "metrics", "--root", str(root), "--grace", "0s", "--no-lease", "--assume-not-holding", "1"
+    )
+    everyone = shmctl("metrics", "--root", str(root), "--grace", "0s", "--all-users")
+    for result in (plain, unleased, everyone):
+        assert result.returncode == 0, result.stderr
+
+    def orphan_bytes(text: str) -> int:
+        line = next(x for x in text.splitlines() if x.startswith("shmctl_orphan_bytes{"))
+        return int(line.rsplit(" ", 1)[1])
+
+    assert orphan_bytes(plain.stdout) == resident
+    assert orphan_bytes(everyone.stdout) == resident
+    assert orphan_bytes(unleased.stdout) in (0, resident)  # 0 where some process cannot be inspected
