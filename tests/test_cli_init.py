@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import re
 import signal
 import subprocess
 import sys
@@ -18,9 +20,11 @@ from typing import Any
 import pytest
 
 from kvoffload.config import PAGESIZE
+from kvoffload.engine.bringup import reap_command
+from kvoffload.engine.report import measure_residue
 from kvoffload.shm import names
 from shmctl.app import main
-from tests.procs import REPO, uninspectable_pids
+from tests.procs import REPO, leave_orphan, uninspectable_pids, write_file
 
 pytest.importorskip("torch")
 
@@ -307,6 +311,121 @@ def test_crash_names_its_orphans_and_the_reap_command_that_removes_them(
     code, out, err = run(capsys, *command.split()[1:], *vouch)
     assert (code, err) == (0, "")
     assert os.listdir(root) == []
+
+
+def argv_in_bash(command: str) -> list[bytes]:
+    """The arguments bash passes to ``shmctl`` when it reads ``command``."""
+    shell = 'shmctl() { printf "%s\\0" "$@"; }; ' + command
+    done = subprocess.run(["bash", "-c", shell], capture_output=True, check=True)
+    return done.stdout.split(b"\0")[:-1]
+
+
+def reap_argv(root: Path, engine_id: str) -> list[bytes]:
+    engine = engine_id.encode("utf-8", "surrogateescape")
+    return [b"reap", b"--root", os.fsencode(root), b"--engine", engine, b"--grace", b"0", b"--yes"]
+
+
+#: Engine ids are anything but '/' and NUL: quotes, spaces, a command substitution, controls,
+#: an invisible character and a byte that is not UTF-8.
+ODD_IDS = [" it's $(touch pwned) *", "\tnew\nline\x1b[31m", "\u200bzero-width", "bad\udcffbyte"]
+
+
+@pytest.mark.parametrize("odd", ODD_IDS, ids=["quotes", "controls", "invisible", "not-utf-8"])
+def test_the_reap_command_gives_bash_the_root_and_engine_id_exactly_in_visible_characters(
+    odd: str, root: Path, engine_id: str, tmp_path: Path
+) -> None:
+    where = root / "shm root's dir"
+    command = reap_command(where, engine_id + odd)
+    assert command.isprintable()
+    assert argv_in_bash(command) == reap_argv(where, engine_id + odd)
+    assert not (tmp_path / "pwned").exists()
+
+
+def identity(path: Path) -> tuple[int, int, int, int]:
+    """What a reap that touched ``path`` (unlinked, truncated, chmod-ed, wrote to it) changes."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def run_on_a_terminal(argv: list[str], columns: int) -> tuple[int, str]:
+    """Run ``argv`` with a pseudo-terminal of ``columns`` as its stdout; its text, ANSI stripped."""
+    leader, follower = pty.openpty()
+    env = {**os.environ, "COLUMNS": str(columns), "TERM": "xterm"}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=follower, stderr=subprocess.DEVNULL, env=env)
+    os.close(follower)
+    chunks = []
+    try:
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: every writer has closed it
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(leader)
+        code = proc.wait(60)
+    text = b"".join(chunks).decode("utf-8", "replace").replace("\r\n", "\n")
+    return code, _ANSI.sub("", text)
+
+
+@pytest.mark.parametrize("output", ["json", "plain", "terminal"])
+def test_the_reap_command_a_crash_prints_removes_its_files_as_printed_and_nothing_else(
+    output: str, root: Path, engine_id: str, tmp_path: Path
+) -> None:
+    """Copied from the report into a shell, the command removes exactly what the crash left.
+
+    vLLM's lifetime keeps the path while the engine lives, so the crash leaves the region; its
+    root and engine id need quoting. A bystander orphan of another engine and a file that is
+    no region must come through untouched.
+    """
+    where = root / "shm root's dir"
+    where.mkdir()
+    crashed = f"{engine_id} it's $(touch pwned)\tnew\nline"
+    bystanders = [leave_orphan(where, f"{engine_id}-bystander"), write_file(where / "notes.txt")]
+    before = [identity(p) for p in bystanders]
+    argv = [sys.executable, "-m", "shmctl", "init", "--kv-transfer-config", kv_config(crashed)]
+    argv += ["--kv-bytes-per-block", BYTES_PER_BLOCK, "--root", str(where), "--lifetime", "vllm"]
+    argv += ["--fail-at", "secondary", "--fail-mode", "crash"]
+    if output == "terminal":
+        code, out = run_on_a_terminal(argv, columns=60)
+    else:
+        done = subprocess.run(
+            argv + (["--json"] if output == "json" else []),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        code, out = done.returncode, done.stdout
+    assert code == 1, out
+    left = measure_residue(where, crashed).paths
+    assert left == (where / names.format_name(crashed),)
+    if output == "json":
+        printed = json.loads(out)["crash"]["reap_command"]
+    else:
+        lines = [line.strip() for line in out.splitlines()]
+        printed = lines[lines.index("these files are orphans now; remove them with:") + 1]
+    assert argv_in_bash(printed) == reap_argv(where, crashed)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    done = subprocess.run(
+        ["bash", "-c", printed],
+        cwd=tmp_path,
+        check=False,
+        env={**os.environ, "PATH": path},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert measure_residue(where, crashed).paths == (), done.stdout
+    assert [identity(p) for p in bystanders] == before
+    assert sorted(os.listdir(where)) == sorted(p.name for p in bystanders)
+    assert not (tmp_path / "pwned").exists()
 
 
 def test_hold_keeps_the_engine_up_until_ctrl_c_then_tears_it_down(root: Path, engine_id: str) -> None:

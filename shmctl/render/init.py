@@ -97,6 +97,18 @@ def _line(out: Console, text: str, style: str | None = None) -> None:
     out.print(Text(text, style=style))
 
 
+def _command(out: Console, command: str) -> None:
+    """A shell command to copy, indented, on one line even on a narrow terminal.
+
+    It is built shell-quoted in visible characters (``bringup.shell_word``), so it is
+    printed as it is: a line rich wrapped would paste as two commands.
+    """
+    if plain_output():
+        _write(f"  {command}")
+        return
+    out.print(f"  {_fields(command)}", markup=False, highlight=False, soft_wrap=True)
+
+
 def _bytes(n: int | None) -> str:
     return "-" if n is None else f"{n} ({human_bytes(n)})"
 
@@ -318,9 +330,9 @@ def init_report(report: InitReport, *, json_output: bool) -> None:
         c = r.crash
         killed = f"; SIGKILLed with it: {', '.join(c.killed)}" if c.killed else ""
         _line(out, f"crash: {c.participant} (pid {c.pid}) died, exit status {c.exit_code}{killed}")
-        if c.orphans:
+        if c.orphans and c.reap_command:
             _line(out, "these files are orphans now; remove them with:", "yellow")
-            _line(out, f"  {c.reap_command}")
+            _command(out, c.reap_command)
         elif c.why_nothing_left:
             _line(out, c.why_nothing_left)
     if r.held_s is not None:
