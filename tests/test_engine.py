@@ -25,7 +25,7 @@ from kvoffload.config import PAGESIZE, OffloadingConfig
 from kvoffload.engine import FailMode, LiveEngine, Verdict, bring_up, build_fault_plan, plan, run_matrix
 from kvoffload.engine.inputs import load_config, read_kv_transfer_config
 from kvoffload.engine.plan import CREATOR_ONLY, SCHEDULER, WORKER, plan_stages, stage_sides
-from kvoffload.engine.report import ErrorInfo, InitReport, measure_residue
+from kvoffload.engine.report import ErrorInfo, InitReport, MatrixCell, measure_residue
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault, RootError
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import Status, scan
@@ -573,6 +573,26 @@ def test_matrix_crash_cells_are_scanned_and_reaped(engine_id: str, root: Path) -
     # The scheduler shuts down last: by then the creator worker had unlinked the path.
     assert by_stage["cleanup.primary"].orphans == ()
     assert os.listdir(root) == []
+
+
+def test_each_crash_cell_is_reaped_before_the_next_cell_starts(engine_id: str, root: Path) -> None:
+    """The recovery is part of the cell: done before anyone hears of it, whatever the output."""
+    config = make_config(engine_id, root, TIERING, lifetime="vllm")
+    seen: list[tuple[str, int, list[str]]] = []
+
+    def on_cell(cell: MatrixCell, index: int, total: int) -> None:
+        seen.append((cell.stage, len(cell.reaped), sorted(os.listdir(root))))
+
+    report = run_matrix(
+        config,
+        stages=["region.populate", "secondary.0"],
+        modes=[],
+        include_crash=True,
+        on_cell=on_cell,
+        assume_not_holding=uninspectable_pids(),
+    )
+    assert seen == [("region.populate", 1, []), ("secondary.0", 1, [])]
+    assert (report.passed, report.stopped) == (2, None)
 
 
 def test_matrix_checks_every_cell_before_running_one(engine_id: str, root: Path) -> None:

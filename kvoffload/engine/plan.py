@@ -133,6 +133,23 @@ class Capacity:
     fix: str | None
 
 
+class CapacityError(RootError):
+    """The root has less free space than what is about to be allocated; nothing was started.
+
+    ``capacity`` is the same pre-flight the dry-run plan prints, ``fix`` its exact remedy.
+    """
+
+    def __init__(self, capacity: Capacity, what: str) -> None:
+        fs = f" ({capacity.fs_type})" if capacity.fs_type else ""
+        super().__init__(
+            capacity.root,
+            f"{size_text(capacity.free_bytes)} free of {size_text(capacity.mount_bytes)}{fs}, "
+            f"{what} needs {size_text(capacity.needed_bytes)}: it does not fit",
+            fix=capacity.fix,
+        )
+        self.capacity = capacity
+
+
 @dataclass(frozen=True, slots=True)
 class InitPlan:
     schema_version: int
@@ -365,6 +382,11 @@ def _mount_of(root: Path, mounts: Path = Path("/proc/self/mounts")) -> tuple[Pat
         if inside and len(point) >= len(best[0]):
             best = (point, fields[2])
     return Path(best[0]), best[1]
+
+
+def size_text(n: int) -> str:
+    """Bytes for a message: GiB from 1 GiB up, MiB below."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
 def _size_arg(n: int, big: str, small: str) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from kvoffload.engine.plan import Capacity
 from kvoffload.errors import InjectedFault
 from kvoffload.shm import names
 
@@ -189,6 +190,15 @@ class InitReport:
 
 
 @dataclass(frozen=True, slots=True)
+class KeptFile:
+    """A file a crash cell left that the reap after it did not remove, and the reap's reason."""
+
+    path: Path
+    status: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class MatrixCell:
     stage: str
     mode: str
@@ -202,10 +212,32 @@ class MatrixCell:
     cleanup_steps: int
     cleanup_failures: int
     duration_s: float
-    #: crash cells: what the crash left, what a scan called it, what a reap removed.
+    #: crash cells: what the crash left, what a scan called it, what a reap removed, what
+    #: it kept (and why), and the command that removes the rest once that reason is gone.
     orphans: tuple[Path, ...] = ()
     scan_status: tuple[str, ...] = ()
     reaped: tuple[Path, ...] = ()
+    kept: tuple[KeptFile, ...] = ()
+    reap_command: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MatrixStop:
+    """Why the matrix ended before its last cell; ``not_run`` cells from ``stage`` x ``mode`` on
+    never started.
+
+    ``reason`` is ``kept`` (a crash cell's files survived the reap: the next cells would pile
+    theirs on top until the root is full) or ``capacity`` (the next cell no longer fits).
+    """
+
+    reason: str
+    message: str
+    stage: str
+    mode: str
+    not_run: int
+    kept: tuple[KeptFile, ...] = ()
+    reap_command: str | None = None
+    capacity: Capacity | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +255,7 @@ class MatrixReport:
     failed: int
     leaked: int
     duration_s: float
+    stopped: MatrixStop | None = None
 
 
 def held_handles(participant: str, engine_id: str, proc_self: Path = Path("/proc/self")) -> list[HeldHandle]:

@@ -6,8 +6,10 @@ process (optionally with a fault at a chosen stage), and ``--matrix`` (every sta
 every mode, each cell a fresh bring-up).
 
 Exit status: 0 the contract held (or: it fits, every matrix cell passed); 1 residue left
-behind, a crash left orphans, it does not fit, a matrix cell leaked; 2 usage or
-configuration error; 3 init failed for a reason that was not injected; 130 Ctrl-C.
+behind, a crash left orphans, it does not fit, a matrix cell leaked (a crash cell's files
+the reap kept included); 2 usage or configuration error; 3 init failed for a reason that
+was not injected, a matrix cell failed, the matrix stopped early or its root cannot hold
+one cell; 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ def init(
         render.matrix(report, json_output=json_output)
         if report.leaked:
             raise typer.Exit(ExitStatus.FINDINGS)
-        raise typer.Exit(ExitStatus.RUNTIME if report.failed else ExitStatus.OK)
+        raise typer.Exit(ExitStatus.RUNTIME if report.failed or report.stopped else ExitStatus.OK)
 
     with render.progress(json_output=json_output) as on_progress:
         result = engine.bring_up(

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from kvoffload.engine import InitPlan, InitReport, LiveEngine, MatrixCell, MatrixReport, ProgressEvent
-    from kvoffload.engine.report import ErrorInfo, Residue, StageResult
+    from kvoffload.engine.report import ErrorInfo, KeptFile, MatrixStop, Residue, StageResult
 
 VERDICT_TEXT = {
     "ok": "up and down cleanly; nothing left behind",
@@ -453,13 +453,36 @@ def matrix(report: MatrixReport, *, json_output: bool) -> None:
                 f"crash at {c.stage}: left {len(c.orphans)} file(s); scan said {status}; "
                 f"reap removed {len(c.reaped)}",
             )
-    style = "green" if not r.failed else "bold red"
+        if c.kept:
+            _kept(out, f"kept by the reap after the crash at {c.stage}", c.kept, c.reap_command)
+    if r.stopped is not None:
+        _stopped(out, r.stopped, len(r.cells))
+    style = "green" if not r.failed and r.stopped is None else "bold red"
+    not_run = f", {r.stopped.not_run} not run" if r.stopped is not None else ""
     _line(
         out,
-        f"{r.passed} passed, {r.failed} failed, {r.leaked} leaked: "
+        f"{r.passed} passed, {r.failed} failed, {r.leaked} leaked{not_run}: "
         f"{len(r.cells)} cells in {r.duration_s:.1f}s",
         style,
     )
+
+
+def _kept(out: Console, title: str, kept: Sequence[KeptFile], reap_command: str | None) -> None:
+    _section(out, title, ("path", "status", "reason"), [(k.path, k.status, k.reason) for k in kept])
+    if reap_command:
+        _line(out, "remove them, once that reason is gone, with:", "yellow")
+        _command(out, reap_command)
+
+
+def _stopped(out: Console, stop: MatrixStop, ran: int) -> None:
+    _line(
+        out,
+        f"matrix stopped after {ran} of {ran + stop.not_run} cells, before {stop.stage} x {stop.mode}: "
+        f"{stop.message}",
+        "bold red",
+    )
+    if stop.capacity is not None and stop.capacity.fix:
+        _line(out, f"fix: {stop.capacity.fix}", "yellow")
 
 
 def _matrix_cell(cell: MatrixCell | None) -> Any:
