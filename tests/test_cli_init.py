@@ -21,6 +21,7 @@ import pytest
 
 from kvoffload.config import PAGESIZE
 from kvoffload.engine.bringup import reap_command
+from kvoffload.engine.plan import MAX_WORLD_SIZE
 from kvoffload.engine.report import measure_residue
 from kvoffload.shm import names
 from shmctl.app import main
@@ -206,6 +207,41 @@ def test_usage_errors_exit_2_with_one_line(
     assert (code, out) == (2, "")
     assert message in err
     assert os.listdir(root) == []
+
+
+@pytest.mark.parametrize(
+    ("world_size", "mode"),
+    [
+        (MAX_WORLD_SIZE + 1, ("--dry-run",)),
+        (10_000_000, ("--dry-run",)),
+        (10_000_000, ()),
+        (10_000_000, ("--matrix",)),
+    ],
+    ids=["just-over", "dry-run", "bring-up", "matrix"],
+)
+def test_a_world_size_beyond_one_engine_is_a_usage_error_before_any_work(
+    world_size: int, mode: tuple[str, ...], capsys: pytest.CaptureFixture[str], root: Path, engine_id: str
+) -> None:
+    """Ten million workers once planned for 38 s into a MemoryError. The budget is big enough
+    for a chunk of MAX_WORLD_SIZE + 1 workers, so only the bound can refuse that one."""
+    config = kv_config(engine_id, "CPUOffloadingSpec", cpu_bytes_to_use=64 * MIB)
+    code, out, err = init(capsys, root, config, "--world-size", str(world_size), *mode)
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        f"shmctl: error: --world-size: {world_size} is more than the {MAX_WORLD_SIZE} workers one engine "
+        f"can have (fix: give one engine's tensor x pipeline parallel size, at most {MAX_WORLD_SIZE}; "
+    )
+    assert err.count("\n") == 1
+    assert os.listdir(root) == []
+
+
+def test_the_largest_world_size_still_plans(
+    capsys: pytest.CaptureFixture[str], root: Path, engine_id: str
+) -> None:
+    config = kv_config(engine_id, "CPUOffloadingSpec", cpu_bytes_to_use=MAX_WORLD_SIZE * 4 * PAGESIZE)
+    code, out, err = init(capsys, root, config, "--world-size", str(MAX_WORLD_SIZE), "--dry-run", "--json")
+    assert (code, err) == (0, "")
+    assert len(json.loads(out)["layout"]["slots"]) == MAX_WORLD_SIZE
 
 
 # ----------------------------------------------------------------- bring-up

@@ -24,7 +24,7 @@ from kvoffload import faults
 from kvoffload.config import PAGESIZE, OffloadingConfig
 from kvoffload.engine import FailMode, LiveEngine, Verdict, bring_up, build_fault_plan, plan, run_matrix
 from kvoffload.engine.inputs import load_config, read_kv_transfer_config
-from kvoffload.engine.plan import CREATOR_ONLY, SCHEDULER, WORKER, plan_stages, stage_sides
+from kvoffload.engine.plan import CREATOR_ONLY, MAX_WORLD_SIZE, SCHEDULER, WORKER, plan_stages, stage_sides
 from kvoffload.engine.report import ErrorInfo, InitReport, MatrixCell, measure_residue
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault, RootError
 from kvoffload.liveness.reap import ReapFilter, reap
@@ -173,6 +173,13 @@ def test_dry_run_plan_allocates_nothing(engine_id: str, root: Path) -> None:
 def test_plan_of_a_budget_under_one_chunk_is_a_config_error(engine_id: str, root: Path) -> None:
     with pytest.raises(ConfigError, match="smaller than one chunk"):
         plan(make_config(engine_id, root, CPU, cpu_bytes=PAGESIZE))
+
+
+def test_plan_refuses_more_workers_than_one_engine_has(engine_id: str, root: Path) -> None:
+    """However the config was built: bring_up and run_matrix plan first, so they refuse it too."""
+    config = make_config(engine_id, root, CPU, world_size=MAX_WORLD_SIZE + 1, cpu_bytes=64 * MIB)
+    with pytest.raises(ConfigError, match=rf"^--world-size: {MAX_WORLD_SIZE + 1} is more than the "):
+        plan(config)
 
 
 def test_plan_of_a_missing_root_is_a_root_error(engine_id: str, tmp_path: Path) -> None:

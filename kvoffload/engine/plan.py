@@ -31,6 +31,13 @@ DOCKER_DEFAULT_SHM = 64 * MIB
 
 WORKER = "worker"
 SCHEDULER = "scheduler"
+#: The most workers one engine may have. vLLM's world size is one engine's tensor x pipeline
+#: parallel size (data-parallel ranks are engines of their own): up to 8 on one node, a few
+#: nodes' worth (16 to 64) for the largest models, 72 on an NVL72 rack. 1024 is over ten
+#: times any of those, yet keeps the per-worker work bounded: the plan lists one slot per
+#: worker and a bring-up starts one process per worker (a world size of 10 million once ran
+#: a dry run for 38 s into a MemoryError).
+MAX_WORLD_SIZE = 1024
 #: Points that run wherever a region is mapped: every worker, and the tiering scheduler.
 _REGION_POINTS = frozenset(
     {"region.open", "region.space", "region.truncate", "region.mmap", "region.attach", "region.populate"}
@@ -177,6 +184,22 @@ class InitPlan:
         return None
 
 
+def check_world_size(world_size: int) -> int:
+    """``world_size`` if one engine can have that many workers, else ``ConfigError``.
+
+    Checked before anything is planned: every figure of the plan and every process of a
+    bring-up is per worker.
+    """
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(
+            "--world-size",
+            f"{world_size} is more than the {MAX_WORLD_SIZE} workers one engine can have",
+            fix=f"give one engine's tensor x pipeline parallel size, at most {MAX_WORLD_SIZE}; "
+            "data-parallel ranks are engines of their own, so rehearse one of them",
+        )
+    return world_size
+
+
 def participant_names(world_size: int) -> tuple[str, ...]:
     """Every process of an engine, in vLLM's creation order: the workers, then the scheduler."""
     return (*(f"{WORKER} {r}" for r in range(world_size)), SCHEDULER)
@@ -215,9 +238,11 @@ def stage_sides(name: str, tiering: bool) -> tuple[str, ...]:
 def plan(config: OffloadingConfig) -> InitPlan:
     """Everything ``bring_up(config)`` would allocate and run; allocates nothing.
 
-    Raises ``ConfigError`` when the budget is smaller than one chunk (the worker would
-    refuse an empty region), ``RootError`` when the root cannot hold files at all.
+    Raises ``ConfigError`` when the world size is beyond ``MAX_WORLD_SIZE`` or the budget is
+    smaller than one chunk (the worker would refuse an empty region), ``RootError`` when the
+    root cannot hold files at all.
     """
+    check_world_size(config.world_size)
     sizing = config.sizing
     if sizing.num_chunks <= 0:
         raise ConfigError(

@@ -146,12 +146,14 @@ def init(
     from kvoffload import engine
     from kvoffload.durations import parse_duration
     from kvoffload.engine.inputs import load_config
+    from kvoffload.engine.plan import check_world_size
     from kvoffload.errors import ConfigError
     from shmctl.exit import ExitStatus
     from shmctl.render import init as render
 
     if lifetime not in ("kvoffload", "vllm"):
         raise ConfigError("--lifetime", f"{lifetime!r} is neither 'kvoffload' nor 'vllm'")
+    check_world_size(world_size)
     config = load_config(
         kv_transfer_config=kv_transfer_config,
         config_file=config_file,
