@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
 from kvoffload.shm import names
 
 if TYPE_CHECKING:
@@ -248,3 +249,19 @@ def entry(report: ScanReport, name: str) -> ScanEntry:
     found = [e for e in report.entries if e.name == name]
     assert len(found) == 1, [e.name for e in report.entries]
     return found[0]
+
+
+def fake_proc(tmp_path: Path, *, maps_readable: bool, uid: int = 0, caps: int = 0x1FF) -> Path:
+    """A /proc with one process (pid 4242, comm ``blind``) whose maps is readable or not."""
+    proc = tmp_path / "proc"
+    base = proc / "4242"
+    (base / "fd").mkdir(parents=True)
+    (base / "stat").write_text("4242 (blind) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n")
+    (base / "status").write_text(f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nCapEff:\t{caps:x}\nCapPrm:\t{caps:x}\n")
+    (proc / "self" / "ns").mkdir(parents=True)
+    (proc / "self" / "ns" / "pid").symlink_to(INITIAL_PID_NAMESPACE)  # a /proc that lists every process
+    if maps_readable:
+        (base / "maps").write_text("")
+    else:
+        (base / "maps").mkdir()  # reading it fails (EISDIR): the process cannot be inspected
+    return proc

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvoffload.errors import ConfigError
 from kvoffload.liveness.reap import reap
-from kvoffload.liveness.scan import Status, open_root, scan
+from kvoffload.liveness.scan import Evidence, Status, open_root, scan
 from kvoffload.shm.owner import XATTR_NAME
-from tests.procs import NOBODY, REPO, Child, entry, leave_orphan, region_path, write_file
+from tests.procs import NOBODY, REPO, Child, entry, fake_proc, leave_orphan, region_path, write_file
 
 MALFORMED_RECORDS = {
     "a pid of 1e400": b'{"pid": 1e400, "start_ticks": 1, "uid": 0, "engine_id": "e", "created_at": 1}',
@@ -163,3 +166,34 @@ def test_metrics_counts_an_orphan_without_vouching_and_takes_scans_options(
     assert orphan_bytes(plain.stdout) == resident
     assert orphan_bytes(everyone.stdout) == resident
     assert orphan_bytes(unleased.stdout) in (0, resident)  # 0 where some process cannot be inspected
+
+
+@contextlib.contextmanager
+def leases_disabled() -> Iterator[None]:
+    """``fs.leases-enable = 0``: the kernel refuses every lease, as some filesystems do."""
+    knob = Path("/proc/sys/fs/leases-enable")
+    if os.geteuid() != 0 or not knob.exists():
+        pytest.skip("needs root and /proc/sys/fs/leases-enable")
+    before = knob.read_text()
+    knob.write_text("0")
+    try:
+        yield
+    finally:
+        knob.write_text(before)
+
+
+@pytest.mark.root
+def test_where_the_kernel_refuses_leases_the_verdict_falls_back_with_the_reason(
+    root: Path, engine_id: str, tmp_path: Path
+) -> None:
+    path = leave_orphan(root, engine_id)
+    with leases_disabled():
+        blind = entry(scan(root, grace_s=0, proc_root=fake_proc(tmp_path, maps_readable=False)), path.name)
+    assert (blind.status, blind.lease) == (Status.UNKNOWN, None)
+    assert blind.lease_error == "the filesystem refuses leases (or fs.leases-enable is 0)"
+    assert "no write lease (the filesystem refuses leases" in blind.reason
+    shutil.rmtree(tmp_path / "proc")
+    with leases_disabled():
+        seen = entry(scan(root, grace_s=0, proc_root=fake_proc(tmp_path, maps_readable=True)), path.name)
+    assert (seen.status, seen.decided_by) == (Status.ORPHANED, Evidence.PROC)
+    assert seen.reason.startswith("no process maps or opens it (every process inspected; no write lease: ")

@@ -15,7 +15,6 @@ import pytest
 
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.liveness.lease import LeaseState
-from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
 from kvoffload.liveness.scan import Evidence, ScanReport, Status, scan
 from kvoffload.shm import owner
 from tests.procs import (
@@ -23,6 +22,7 @@ from tests.procs import (
     REPO,
     Child,
     entry,
+    fake_proc,
     leave_orphan,
     region_path,
     uninspectable_pids,
@@ -242,22 +242,6 @@ def test_a_skipped_base_makes_its_segments_skipped(
         Status.SKIPPED,
         f"another file of this region is skipped ({base}: symlink: never followed)",
     )
-
-
-def fake_proc(tmp_path: Path, *, maps_readable: bool, uid: int = 0, caps: int = 0x1FF) -> Path:
-    """A /proc with one process (pid 4242, comm ``blind``) whose maps is readable or not."""
-    proc = tmp_path / "proc"
-    base = proc / "4242"
-    (base / "fd").mkdir(parents=True)
-    (base / "stat").write_text("4242 (blind) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n")
-    (base / "status").write_text(f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nCapEff:\t{caps:x}\nCapPrm:\t{caps:x}\n")
-    (proc / "self" / "ns").mkdir(parents=True)
-    (proc / "self" / "ns" / "pid").symlink_to(INITIAL_PID_NAMESPACE)  # a /proc that lists every process
-    if maps_readable:
-        (base / "maps").write_text("")
-    else:
-        (base / "maps").mkdir()  # reading it fails (EISDIR): the process cannot be inspected
-    return proc
 
 
 def test_without_a_lease_a_process_that_cannot_be_inspected_makes_an_orphan_candidate_unknown(
