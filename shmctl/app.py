@@ -8,17 +8,50 @@ torch, no numpy, and command modules import their heavy parts inside the command
 
 from __future__ import annotations
 
+import signal
 import sys
+from typing import Any
 
 import typer
+import typer.core
 
 from kvoffload.errors import ConfigError, KvOffloadError
 from shmctl.commands import register_all
 from shmctl.exit import ExitStatus
 from shmctl.render import error_line
 
+
+class Interrupted(BaseException):
+    """A signal stopped the command: ``shmctl: error: interrupted``, exit 128 + its number.
+
+    A BaseException, like the KeyboardInterrupt it usually stands for, so no ``except
+    Exception`` on the way out can swallow it.
+    """
+
+    def __init__(self, signal_name: str = "SIGINT", detail: str = "") -> None:
+        self.signal_name = signal_name
+        self.message = f"interrupted by {signal_name}: {detail}" if detail else "interrupted"
+        super().__init__(self.message)
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + signal.Signals[self.signal_name].value
+
+
+class _Group(typer.core.TyperGroup):
+    # Typer turns a KeyboardInterrupt raised inside a command into a silent `Exit(130)`, which
+    # standalone_mode=False hands back as a bare 130: Ctrl-C would print nothing. Carried out
+    # as Interrupted, it reaches main() and its one line.
+    def invoke(self, ctx: Any) -> Any:  # a click Context (typer vendors click in recent versions)
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted() from None
+
+
 app = typer.Typer(
     name="shmctl",
+    cls=_Group,
     help="Find, explain and safely reap vLLM KV-offload regions in /dev/shm.",
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -55,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # typer.Exit, --help, completion
         code = e.code
         return code if isinstance(code, int) else (0 if code is None else ExitStatus.USAGE)
-    except KeyboardInterrupt:
+    except Interrupted as e:
+        error_line(e.message)
+        return e.exit_status
+    except KeyboardInterrupt:  # outside any command (typer has not taken over yet)
         error_line("interrupted")
         return ExitStatus.INTERRUPTED
     except KvOffloadError as e:
