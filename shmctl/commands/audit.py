@@ -1,7 +1,9 @@
 """``shmctl audit -- CMD ...``: run a command and fail if it left shared memory behind.
 
 Exit status: 0 nothing left (and the command succeeded), 1 leaks found, 2 usage,
-3 the command itself failed without leaking (its own exit code is in the report).
+3 the command itself failed without leaking (its own exit code is in the report),
+128 + N when signal N (SIGINT 130, SIGTERM 143, SIGHUP 129) stopped the audit: the
+signal is passed on to the command, and the report of what it left still comes first.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ def audit(
 
     report = run_audit(command, Path(root), settle_s=parse_duration(settle, option="--settle"))
     render.audit_report(report, json_output=json_output)
+    if report.interrupted_by is not None:
+        from shmctl.app import Interrupted
+
+        raise Interrupted(report.interrupted_by, "passed on to the command, which has exited")
     if not report.clean:
         raise typer.Exit(ExitStatus.FINDINGS)
     if report.command_exit_code != 0:
