@@ -103,7 +103,7 @@ def test_a_signal_to_audit_is_passed_on_and_the_report_still_comes(
             out, err = shmctl.communicate(timeout=20)
         assert "Traceback" not in err, err
         assert shmctl.returncode == 128 + signum, err
-        assert err == f"shmctl: error: interrupted by {name}: passed on to the command, which has exited\n"
+        assert err == f"shmctl: error: interrupted by {name}: the command got it too and has exited\n"
         report = json.loads(out)
         assert report["interrupted_by"] == name
         assert report["command_exit_code"] == 7

@@ -40,7 +40,7 @@ def audit(
     if report.interrupted_by is not None:
         from shmctl.app import Interrupted
 
-        raise Interrupted(report.interrupted_by, "passed on to the command, which has exited")
+        raise Interrupted(report.interrupted_by, "the command got it too and has exited")
     if not report.clean:
         raise typer.Exit(ExitStatus.FINDINGS)
     if report.command_exit_code != 0:
