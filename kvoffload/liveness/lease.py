@@ -87,6 +87,17 @@ def broken(fd: int) -> bool:
         return True  # cannot tell: act as if someone arrived
 
 
+def contested(fd: int, st_uid: int, fsuid: int) -> bool:
+    """Is anyone else opening the file now, while we hold its lease?
+
+    ``F_GETLEASE`` shows a pending break, but an ``open`` counts itself among the inode's
+    opens before it breaks the lease (between the two it may block in a fanotify permission
+    check, or simply be preempted). Taking the held lease again sees that count: it fails
+    with ``EAGAIN`` and leaves the lease in place. Either sign means someone arrived.
+    """
+    return broken(fd) or not take(fd, st_uid, fsuid).free
+
+
 def release(fd: int) -> None:
     """Give the lease back; a blocked opener proceeds. Closing the fd would do it too."""
     with contextlib.suppress(OSError):
@@ -130,6 +141,12 @@ def sigio_ignored() -> Iterator[str | None]:
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0 and _previous is not None:
+            # Only the main thread may restore it; a thread that leaves last leaves SIGIO
+            # ignored, and the main thread's next exit puts the old action back.
+            if (
+                _depth == 0
+                and _previous is not None
+                and threading.current_thread() is threading.main_thread()
+            ):
                 signal.signal(signal.SIGIO, _previous)
                 _previous = None

@@ -17,15 +17,18 @@ removed it is proven again (anchors D5), with every file of the group:
 
    a. ``F_SETLEASE F_WRLCK`` must be granted (refused: someone opened it since the scan);
    b. the name is re-``lstat``ed: still a regular file, one link, the same inode;
-   c. ``F_GETLEASE`` must still say ``F_WRLCK`` (else an opener arrived: kept, "raced
-      with an opener");
-   d. the name is renamed (``RENAME_NOREPLACE``) to a private name of the same pattern,
-      so an opener that resolved the name a moment before is in the kernel on our inode;
-      ``F_GETLEASE`` again: broken means such an opener exists, and the rename is undone
-      (the opener gets the file it asked for, intact); else the private name is unlinked.
-      A crash between the two leaves one file under a region name, which a later reap
-      judges like any other;
-   e. the lease is released (a blocked opener proceeds and finds the name gone).
+   c. no opener may have arrived (``lease.contested``: ``F_GETLEASE`` and a second take);
+   d. the name is renamed (``RENAME_NOREPLACE``) to a private, unguessable name of the
+      region pattern, and the lease checked again; the lease is released. An opener that
+      resolved the name a moment before is in the kernel on our inode: ``F_GETLEASE`` shows
+      a break only once it reaches ``break_lease``, but taking the held lease again fails as
+      soon as it counts itself among the inode's opens (a fanotify permission check can hold
+      it in between), so both are asked;
+   e. after all files of the batch are parked and a short wait (``PARK_SETTLE_S``), each is
+      leased and checked once more, then its private name is unlinked. Any sign of an opener
+      at c, d or e keeps the file and gives its name back (the opener gets the file it asked
+      for, intact: "raced with an opener"). A reaper that dies meanwhile leaves one file under
+      a region-pattern name, which a later reap judges like any other.
 
    Where no lease could be taken, a fresh ``/proc`` pass restricted to the locked inodes
    (one per batch of regions, see ``RECHECK_BATCH_FILES``) must show no holder and no
@@ -47,6 +50,7 @@ import errno
 import fcntl
 import os
 import stat
+import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -74,10 +78,15 @@ from kvoffload.shm import names
 
 _GONE = "gone before removal (removed by someone else)"
 _RACED = "kept: raced with an opener (it opened the file during removal)"
+_REGION_KEPT = "kept: another file of its region was kept (a region goes whole or not at all)"
 #: Regions re-proven together where no lease can be taken: one /proc pass (~10 ms on a quiet
 #: host) re-checks a batch of about this many files. Each file stays LOCK_EX'ed from before
 #: that pass until after its unlink, so a kvoffload participant can never slip in.
 RECHECK_BATCH_FILES = 128
+#: How long parked files (renamed to a private name, lease released) wait before their last
+#: check: an opener that resolved the region name just before the rename needs only to be
+#: scheduled to enter the file's open count. One wait per batch, not per file.
+PARK_SETTLE_S = 0.002
 #: ``RENAME_NOREPLACE`` (linux/fs.h): never replace what another process created meanwhile.
 _RENAME_NOREPLACE = 1
 
@@ -275,6 +284,8 @@ def _reap_batch(
                 deleted=False,
                 locks=False,  # we hold LOCK_EX on every one of these files
             )
+        parking: dict[str, list[_Parked]] = {}
+        spoiled: set[str] = set()  # regions with a file kept while parking: none of it goes
         for locked in locked_groups:
             leased = _leased(locked)
             if not leased:
@@ -287,11 +298,29 @@ def _reap_batch(
                 kept.extend(_kept(e, verdict[0], f"kept: {verdict[1]}") for e, _, _ in locked)
                 continue
             for e, fd, _ in locked:
-                outcome = _unlink_leased(dir_fd, e, fd) if leased else _unlink(dir_fd, e)
+                if e.engine_id in spoiled:
+                    kept.append(_kept(e, Status.LIVE, _REGION_KEPT))
+                    continue
+                if not leased:
+                    outcome = _unlink(dir_fd, e)
+                else:
+                    parked = _park(dir_fd, e, fd)
+                    if isinstance(parked, str):
+                        parking.setdefault(e.engine_id, []).append((e, fd, parked))
+                        continue
+                    if parked is not None:
+                        spoiled.add(e.engine_id)
+                    outcome = parked
                 if outcome is None:
                     removed.append(e)
                 else:
                     kept.append(outcome)
+        if parking:
+            # Step 4e: an opener that resolved a name just before its rename gets time to show
+            # in the file's open count before the last check; one wait per batch.
+            time.sleep(PARK_SETTLE_S)
+            for engine_id, files in parking.items():
+                _finish_region(dir_fd, files, engine_id in spoiled, removed, kept)
 
 
 def _lock_group(
@@ -386,9 +415,14 @@ def _name_changed(dir_fd: int, e: ScanEntry) -> ScanEntry | None:
     return None
 
 
-def _unlink_leased(dir_fd: int, e: ScanEntry, fd: int) -> ScanEntry | None:
-    """Step 4a-e for one file: removed under its own write lease, held for this file only."""
-    answer = lease.take(fd, e.uid, os.geteuid())
+def _park(dir_fd: int, e: ScanEntry, fd: int) -> ScanEntry | str | None:
+    """Step 4a-d for one file, under its own write lease held for this file only.
+
+    Returns the private name the file now has (to be finished by ``_finish``), the entry as
+    kept, or None when it was unlinked outright (no ``renameat2`` here).
+    """
+    fsuid = os.geteuid()
+    answer = lease.take(fd, e.uid, fsuid)
     if not answer.free:
         return _kept(
             e, Status.LIVE, f"kept: opened since the scan (write lease {answer.state or answer.error})"
@@ -397,7 +431,7 @@ def _unlink_leased(dir_fd: int, e: ScanEntry, fd: int) -> ScanEntry | None:
         problem = _name_changed(dir_fd, e)
         if problem is not None:
             return problem
-        if lease.broken(fd):
+        if lease.contested(fd, e.uid, fsuid):
             return _kept(e, Status.LIVE, _RACED)
         private = _private_name(e)
         try:
@@ -406,19 +440,55 @@ def _unlink_leased(dir_fd: int, e: ScanEntry, fd: int) -> ScanEntry | None:
             if err.errno not in (errno.ENOSYS, errno.EINVAL):
                 return _kept(e, Status.ORPHANED, f"kept: rename before unlink failed ({_errname(err)})")
             return _unlink(dir_fd, e)  # no renameat2 here: the lease checks above still hold
-        if lease.broken(fd):
-            # An opener resolved the name just before the rename and is in the kernel on this
-            # inode: give the name back so it gets the file it asked for.
-            try:
-                _rename_noreplace(dir_fd, private, e.name)
-            except OSError as err:
-                return _kept(
-                    e,
-                    Status.LIVE,
-                    f"kept as {private}: raced with an opener, and the name could not be restored "
-                    f"({_errname(err)})",
-                )
-            return _kept(e, Status.LIVE, _RACED)
+        if lease.contested(fd, e.uid, fsuid):
+            return _restore(dir_fd, e, private)
+        return private
+    finally:
+        lease.release(fd)
+
+
+_Parked = tuple[ScanEntry, int, str]  # entry, its locked fd, its private name
+
+
+def _finish_region(
+    dir_fd: int, files: list[_Parked], spoiled: bool, removed: list[ScanEntry], kept: list[ScanEntry]
+) -> None:
+    """Step 4e for one region's parked files: all go, or (an opener on any) all get their names back."""
+    fsuid = os.geteuid()
+    if spoiled or any(_contested_now(fd, e.uid, fsuid) for e, fd, _ in files):
+        why = _REGION_KEPT if spoiled else _RACED
+        kept.extend(_restore(dir_fd, e, private, why) for e, _, private in files)
+        return
+    for e, fd, private in files:
+        outcome = _finish(dir_fd, e, fd, private)
+        if outcome is None:
+            removed.append(e)
+        else:
+            kept.append(outcome)
+
+
+def _contested_now(fd: int, st_uid: int, fsuid: int) -> bool:
+    answer = lease.take(fd, st_uid, fsuid)
+    if not answer.free:
+        return True
+    try:
+        return lease.contested(fd, st_uid, fsuid)
+    finally:
+        lease.release(fd)
+
+
+def _finish(dir_fd: int, e: ScanEntry, fd: int, private: str) -> ScanEntry | None:
+    """The last check of one parked file, under its lease again, then the unlink.
+
+    Nobody can open the private name (unguessable); only an opener that resolved the region
+    name before the rename can be on the inode, and it shows in the open count by now.
+    """
+    fsuid = os.geteuid()
+    if not lease.take(fd, e.uid, fsuid).free:
+        return _restore(dir_fd, e, private)
+    try:
+        if lease.contested(fd, e.uid, fsuid):
+            return _restore(dir_fd, e, private)
         try:
             os.unlink(private, dir_fd=dir_fd)
         except OSError as err:
@@ -426,6 +496,19 @@ def _unlink_leased(dir_fd: int, e: ScanEntry, fd: int) -> ScanEntry | None:
         return None
     finally:
         lease.release(fd)
+
+
+def _restore(dir_fd: int, e: ScanEntry, private: str, why: str = "") -> ScanEntry:
+    """An opener is on this inode (or on its region): give the name back, file intact."""
+    try:
+        _rename_noreplace(dir_fd, private, e.name)
+    except OSError as err:
+        return _kept(
+            e,
+            Status.LIVE,
+            f"kept as {private}: raced with an opener, and the name could not be restored ({_errname(err)})",
+        )
+    return _kept(e, Status.LIVE, why or _RACED)
 
 
 def _private_name(e: ScanEntry) -> str:

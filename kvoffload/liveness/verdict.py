@@ -176,5 +176,8 @@ def _unseen_cause(view: ScannerView) -> str:
     if not view.visibility.complete:
         return f"likely a process in another PID namespace: this scan runs in {view.visibility.detail}"
     if view.blind_spots:
-        return f"likely the uninspectable {view.blind_spots[0].describe()}"
-    return "a process that opened it after the /proc pass, or holds it where /proc did not show"
+        return (
+            f"possibly the uninspectable {view.blind_spots[0].describe()}, a process that opened it "
+            "after the /proc pass, or an fd in flight between processes"
+        )
+    return "a process that opened it after the /proc pass, or an fd in flight between processes"
