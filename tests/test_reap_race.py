@@ -1,20 +1,19 @@
-"""Lease breaks against real openers: the reaper lives through every SIGIO, and a thread never
-takes a lease that SIGIO's default action could turn into the death of its process.
+"""Reap against real openers at the worst moments: a live file is never removed under them.
 
 An opener process (vLLM attaching to its region) opens an orphan ``O_RDWR`` while a reaper
 process removes it. The opener watches the file with inotify and opens it a random few
 microseconds after the reaper's k-th open of it (a scan's probe, or the open that starts
 the removal), so its ``open`` lands inside the removal: before the lease, while it is held
 (the open blocks in the kernel and the reaper gets ``SIGIO``), between the rename and the
-unlink, or after. It reports what it got: the file under its name (``intact``), the name
-gone (``absent``: it creates a new file, as vLLM's creator would), or an fd of an unlinked
-inode (``dead``) or of a file that lost its name (``misplaced``).
+unlink, or after. Whatever the moment, the opener must end up with the file still under its
+name (``intact``) or find the name gone and create a new one (``absent``): never with an fd
+of an unlinked inode (``dead``) or of a file that lost its name (``misplaced``).
 
 The reaper is a process of its own, so that a ``SIGIO`` that killed it shows as its exit
-status; it reports, then waits while the test reads ``/proc/locks``. It is given an empty
-``/proc`` (one that lists no process, in the initial PID namespace): only the lease stands
-between the opener and the unlink, and an iteration takes about a millisecond instead of a
-full ``/proc`` pass.
+status; it reports, then waits while the test reads ``/proc/locks``. The library reaper is
+given an empty ``/proc`` (one that lists no process, in the initial PID namespace): only the
+lease stands between the opener and the unlink, and an iteration takes about a millisecond
+instead of a full ``/proc`` pass. The CLI reaper runs on the real ``/proc``.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import select
 import signal
 import subprocess
@@ -40,6 +40,9 @@ pytestmark = pytest.mark.slow
 #: The longest spin after the k-th open. With it the opens spread over the whole removal: every
 #: outcome (live in the scan, lease refused, lease broken, removed) shows in a run.
 MAX_DELAY_NS = 150_000
+CLI_REAP = ("reap", "--grace", "0s", "--yes", "--json")
+#: Outcomes that mean a reap removed or displaced a file an opener holds.
+VIOLATIONS = ("dead", "dead (created)", "misplaced", "create-failed")
 
 #: The opener, driven over stdin/stdout. ``arm PATH K DELAY_NS``: watch PATH; after the K-th
 #: open of it by anyone (or at ``check`` if fewer came), spin DELAY_NS, then open it O_RDWR,
@@ -128,7 +131,7 @@ while True:
     print(json.dumps({"outcome": outcome, "late": late}), flush=True)
 """
 
-#: How the reaper side of one iteration ended, from its ReapReport.
+#: How the reaper side of one iteration ended, from its ReapReport (also used by the CLI test).
 CLASSIFY = r"""
 def reaped(removed, kept, live):
     if removed:
@@ -138,6 +141,8 @@ def reaped(removed, kept, live):
             return "kept: lease broken"
         if "opened since the scan" in kept[0]:
             return "kept: lease refused"
+        if kept[0].startswith("held by"):
+            return "live in the scan"  # the CLI's second scan, after its plan
         return "kept: " + kept[0]
     return "live in the scan" if live else "nothing chosen"
 """
@@ -298,6 +303,116 @@ class Reaper:
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+class Opener:
+    """The OPENER process, driven from the test (the CLI race: the reaper is ``shmctl``)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", OPENER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def _ask(self, line: str) -> str:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline()
+
+    def arm(self, path: Path, k: int, delay_ns: int) -> None:
+        assert self._ask(f"arm {path} {k} {delay_ns}") == "armed\n"
+
+    def check(self) -> dict[str, Any]:
+        seen: dict[str, Any] = json.loads(self._ask("check"))
+        return seen
+
+    def __enter__(self) -> Opener:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def classify(removed: list[Any], kept_reasons: list[str], live: int) -> str:
+    scope: dict[str, Any] = {}
+    exec(CLASSIFY, scope)
+    side: str = scope["reaped"](removed, kept_reasons, live)
+    return side
+
+
+# ------------------------------------------------------------------ the opener race
+
+
+def test_a_reap_racing_an_opener_never_removes_the_file_the_opener_gets(
+    root: Path, engine_id: str, empty_proc: Path
+) -> None:
+    iterations = 1000
+    args = (str(root), str(empty_proc), f"{engine_id}-", str(iterations), "7", str(MAX_DELAY_NS), "0", OPENER)
+    with Reaper(REAPER, *args) as reaper:
+        results = reaper.results()
+        leases_left = leases_of(reaper.pid)
+        status = reaper.finish()
+    print(f"\nreap race, {iterations} iterations: {json.dumps(results, sort_keys=True)}")
+    assert status == 0  # it lived through every lease break (SIGIO would be -29)
+    assert results["opener_status"] == 0
+    assert leases_left == []
+    assert results["leftovers"] == []  # no file of any iteration, no private name, left behind
+    openers = results["openers"]
+    assert sum(openers.values()) == iterations
+    assert {k: openers.get(k, 0) for k in VIOLATIONS} == dict.fromkeys(VIOLATIONS, 0)
+    # Every removal left the opener a free name; every file the opener got was kept.
+    pairs = results["pairs"]
+    assert all(pair.split(" / ")[1].startswith("absent") for pair in pairs if pair.startswith("removed"))
+    assert all(pair.startswith(("kept", "live")) for pair in pairs if " / intact" in pair)
+
+
+def test_a_cli_reap_racing_an_opener_never_removes_the_file_the_opener_gets(
+    root: Path, engine_id: str
+) -> None:
+    rng = random.Random(11)
+    iterations = 30
+    openers: dict[str, int] = {}
+    reaps: dict[str, int] = {}
+    statuses = set()
+    with Opener() as opener:
+        for i in range(iterations):
+            path = root / f"vllm_offload_{engine_id}-{i}.mmap"
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+            # The CLI opens it three times: the plan's probe, the reap's probe, the removal.
+            opener.arm(path, rng.randint(1, 3), rng.randint(0, MAX_DELAY_NS))
+            done = subprocess.run(
+                [sys.executable, "-m", "shmctl", *CLI_REAP, "--root", str(root)],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                timeout=60,
+                check=False,
+            )
+            seen = opener.check()
+            statuses.add(done.returncode)
+            report = json.loads(done.stdout) if done.returncode == 0 else {"removed": [], "kept": []}
+            live = report.get("summary", {}).get("live", 0)
+            side = classify(report["removed"], [e["reason"] for e in report["kept"]], live)
+            openers[seen["outcome"]] = openers.get(seen["outcome"], 0) + 1
+            reaps[side] = reaps.get(side, 0) + 1
+            path.unlink(missing_ok=True)
+            assert os.listdir(root) == []
+    print(f"\ncli reap race, {iterations} iterations: openers {openers}, reaps {reaps}")
+    assert statuses == {0}  # no run killed by SIGIO
+    assert {k: openers.get(k, 0) for k in VIOLATIONS} == dict.fromkeys(VIOLATIONS, 0)
 
 
 # ------------------------------------------------------------------------------ SIGIO
