@@ -10,7 +10,6 @@ import errno
 import json
 import mmap
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
-from tests.procs import REPO
+from tests.procs import REPO, Child
 
 GATE_PID = 4242
 _STAT = f"{GATE_PID} (gate) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n"
@@ -226,7 +225,7 @@ class ForeignHolder:
 # fd and maps are empty. Only /proc/PID/task/TID still shows the mapping.
 _ZOMBIE_LEADER = r"""
 import ctypes, mmap, os, sys, threading
-path = sys.argv[1]
+path = sys.argv[2]
 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
 os.ftruncate(fd, 1 << 20)
 mm = mmap.mmap(fd, 1 << 20, flags=mmap.MAP_SHARED)
@@ -241,22 +240,11 @@ ctypes.CDLL(None).pthread_exit(None)
 """
 
 
-class ZombieLeader:
+class ZombieLeader(Child):
     """A live process holding ``path`` whose thread-group leader has already exited."""
 
     def __init__(self, path: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _ZOMBIE_LEADER, str(path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=REPO,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        if self.proc.stdout.readline() != "ready\n":
-            self.kill()
-            raise RuntimeError("zombie-leader child failed to start")
+        super().__init__("zombie-leader", path, script=_ZOMBIE_LEADER)
         deadline = time.monotonic() + 10
         while self.state() != "Z":  # the leader's pthread_exit has completed
             if time.monotonic() > deadline:
@@ -264,30 +252,10 @@ class ZombieLeader:
                 raise RuntimeError("the leader of the zombie-leader child never exited")
             time.sleep(0.005)
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def state(self) -> str:
         from kvoffload import procfs
 
         return procfs.read_stat(self.pid).state
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-
-    def __enter__(self) -> ZombieLeader:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.kill()
 
 
 def shmctl(

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
 from kvoffload.shm import names
@@ -83,13 +83,26 @@ sys.stdin.read()
 
 
 class Child:
-    """A process holding ``path`` in ``mode`` (module docstring) until stopped or killed."""
+    """A process holding ``path`` in ``mode`` (module docstring) until stopped or killed.
 
-    def __init__(self, mode: str, path: Path, size: int = SIZE, *, prefix: tuple[str, ...] = ()) -> None:
+    ``script`` replaces the built-in modes with a script of the test's own: it gets the same
+    arguments (``mode``, ``path``, ``size``), must print ``ready`` once it holds the file and
+    then wait on stdin.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        path: Path,
+        size: int = SIZE,
+        *,
+        prefix: tuple[str, ...] = (),
+        script: str = _SCRIPT,
+    ) -> None:
         self.mode = mode
         self.path = path
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-c", _SCRIPT, mode, str(path), str(size)],
+            [*prefix, sys.executable, "-c", script, mode, str(path), str(size)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -128,7 +141,7 @@ class Child:
             if pipe is not None and not pipe.closed:
                 pipe.close()
 
-    def __enter__(self) -> Child:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -16,13 +16,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import pytest
@@ -104,50 +102,11 @@ def give_to(uid: int, *paths: Path, mode: int = 0o644) -> None:
         os.chmod(path, mode)
 
 
-class Scripted:
-    """A process running ``script`` (``sys.argv[1]`` is the path) that prints ``ready`` once it
-    holds the file, then waits on stdin; SIGKILLed and reaped on exit."""
-
-    def __init__(self, script: str, path: Path, *, prefix: tuple[str, ...] = ()) -> None:
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-c", script, str(path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=REPO,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        if self.proc.stdout.readline() != "ready\n":
-            self.kill()
-            raise RuntimeError(f"holder of {path} failed to start")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-
-    def __enter__(self) -> Scripted:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.kill()
-
-
 # Opens the file read-only, maps it PROT_READ with libc (Python's mmap would keep a dup of
 # the fd) and closes the fd: only the read-only mapping keeps the file.
 READ_ONLY_MAPPING = r"""
 import ctypes, mmap, os, sys
-fd = os.open(sys.argv[1], os.O_RDONLY)
+fd = os.open(sys.argv[2], os.O_RDONLY)
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 c = ctypes
@@ -165,7 +124,7 @@ sys.stdin.read()
 FD_IN_FLIGHT = r"""
 import os, socket, sys
 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-fd = os.open(sys.argv[1], os.O_RDWR)
+fd = os.open(sys.argv[2], os.O_RDWR)
 socket.send_fds(ours, [b"fd"], [fd])
 os.close(fd)
 print("ready", flush=True)
@@ -176,11 +135,11 @@ HOLDERS = ("map-only", "fd-only", "read-only-mapping")
 
 
 @contextmanager
-def holding(kind: str, path: Path, *, prefix: tuple[str, ...] = ()) -> Iterator[Child | Scripted]:
+def holding(kind: str, path: Path, *, prefix: tuple[str, ...] = ()) -> Iterator[Child]:
     """A process holding the existing ``path`` as ``kind`` (``HOLDERS``) until the block ends."""
-    holder: Child | Scripted
+    holder: Child
     if kind == "read-only-mapping":
-        holder = Scripted(READ_ONLY_MAPPING, path, prefix=prefix)
+        holder = Child("read-only-mapping", path, prefix=prefix, script=READ_ONLY_MAPPING)
     else:
         holder = Child(kind, path, prefix=prefix)
     try:
@@ -274,7 +233,7 @@ def test_a_holder_in_a_child_pid_namespace_that_the_hosts_proc_cannot_show_is_li
     require_unshare()
     held = write_file(region_path(root, engine_id))
     dead = leave_orphan(root, engine_id + "-dead")
-    with Scripted(FD_IN_FLIGHT, held, prefix=IN_CHILD_PID_NS):
+    with Child("fd-in-flight", held, prefix=IN_CHILD_PID_NS, script=FD_IN_FLIGHT):
         scanned = cli_scan(root)
         reaped = cli_reap(root)
         still = held.exists()
