@@ -4,10 +4,10 @@ Creates ``--files`` region files in a private directory on /dev/shm, starts ``--
 processes that each hold a share of them (half mapped with the fd closed, half by fd
 only), then times, in the same run and on the same files:
 
-* ``kvoffload`` ``scan()`` (one /proc pass, lock probes, verdicts) and the bare /proc pass;
+* ``kvoffload`` ``scan()`` (one /proc pass, lease and lock probes, verdicts) and the bare /proc pass;
 * ``lsof -n -P +D DIR`` (fds and mappings of files under DIR), ``fuser FILE...``, and
   ``lsfd`` filtered to the directory (fds and mappings);
-* ``reap()`` of every orphan (each region re-proven with a fresh /proc pass before unlink).
+* ``reap()`` of every orphan (each file re-proven under its own write lease before unlink).
 
 Prints the median of ``--repeat`` runs and each tool's ratio to ``scan()``, checks that
 every tool agrees on which files are held, and removes everything it created.
@@ -154,7 +154,7 @@ def main() -> int:
             print(f"{tool:34} {ms:9.1f} {ms / base:9.2f}  {'-' if ok is None else 'yes' if ok else 'NO'}")
         per_region = reap_ms / max(1, len(reaped.removed))
         print(
-            f"reap() of {len(reaped.removed)} orphans (/proc re-checked per batch of regions before unlink): "
+            f"reap() of {len(reaped.removed)} orphans (each re-proven under its write lease before unlink): "
             f"{reap_ms:.1f} ms, {per_region:.2f} ms per region"
         )
         return 0 if all(agree.values()) and len(reaped.removed) == args.files else 1
