@@ -285,21 +285,21 @@ def _reap_batch(
                 locks=False,  # we hold LOCK_EX on every one of these files
             )
         parking: dict[str, list[_Parked]] = {}
-        spoiled: set[str] = set()  # regions with a file kept while parking: none of it goes
+        # Regions with a file kept while parking, and that file's status: none of them goes.
+        spoiled: dict[str, Status] = {}
         for locked in locked_groups:
             leased = _leased(locked)
             if not leased:
                 assert index is not None  # built above for every unleased region
                 verdict = _still_dead(locked, index, assume_not_holding)
             else:
-                refused = _lease_refused(locked)
-                verdict = None if refused is None else (Status.LIVE, refused)
+                verdict = _lease_refused(locked)
             if verdict is not None:
                 kept.extend(_kept(e, verdict[0], f"kept: {verdict[1]}") for e, _, _ in locked)
                 continue
             for e, fd, _ in locked:
                 if e.engine_id in spoiled:
-                    kept.append(_kept(e, Status.LIVE, _REGION_KEPT))
+                    kept.append(_kept(e, spoiled[e.engine_id], _REGION_KEPT))
                     continue
                 if not leased:
                     outcome = _unlink(dir_fd, e)
@@ -309,7 +309,7 @@ def _reap_batch(
                         parking.setdefault(e.engine_id, []).append((e, fd, parked))
                         continue
                     if parked is not None:
-                        spoiled.add(e.engine_id)
+                        spoiled[e.engine_id] = parked.status
                     outcome = parked
                 if outcome is None:
                     removed.append(e)
@@ -320,7 +320,7 @@ def _reap_batch(
             # in the file's open count before the last check; one wait per batch.
             time.sleep(PARK_SETTLE_S)
             for engine_id, files in parking.items():
-                _finish_region(dir_fd, files, engine_id in spoiled, removed, kept)
+                _finish_region(dir_fd, files, spoiled.get(engine_id), removed, kept)
 
 
 def _lock_group(
@@ -381,14 +381,20 @@ def _still_dead(
     return None
 
 
-def _lease_refused(locked: _Locked) -> str | None:
+def _lease_refused(locked: _Locked) -> tuple[Status, str] | None:
     """Step 4a for the whole region before any file goes: a file someone opened since the scan
     keeps every file of it (each lease is taken and given back at once)."""
     for e, fd, _ in locked:
         answer = lease.probe(fd, e.uid, os.geteuid())
         if not answer.free:
-            return f"{e.name}: opened since the scan (write lease {answer.state or answer.error})"
+            return Status.LIVE if answer.held else Status.UNKNOWN, f"{e.name}: {_lease_refusal(answer)}"
     return None
+
+
+def _lease_refusal(answer: lease.LeaseProbe) -> str:
+    if answer.held:
+        return "opened since the scan (write lease refused)"
+    return f"no write lease now ({answer.error})"
 
 
 def _unlink(dir_fd: int, e: ScanEntry) -> ScanEntry | None:
@@ -424,9 +430,7 @@ def _park(dir_fd: int, e: ScanEntry, fd: int) -> ScanEntry | str | None:
     fsuid = os.geteuid()
     answer = lease.take(fd, e.uid, fsuid)
     if not answer.free:
-        return _kept(
-            e, Status.LIVE, f"kept: opened since the scan (write lease {answer.state or answer.error})"
-        )
+        return _kept(e, Status.LIVE if answer.held else Status.UNKNOWN, f"kept: {_lease_refusal(answer)}")
     try:
         problem = _name_changed(dir_fd, e)
         if problem is not None:
@@ -451,13 +455,22 @@ _Parked = tuple[ScanEntry, int, str]  # entry, its locked fd, its private name
 
 
 def _finish_region(
-    dir_fd: int, files: list[_Parked], spoiled: bool, removed: list[ScanEntry], kept: list[ScanEntry]
+    dir_fd: int,
+    files: list[_Parked],
+    spoiled: Status | None,
+    removed: list[ScanEntry],
+    kept: list[ScanEntry],
 ) -> None:
-    """Step 4e for one region's parked files: all go, or (an opener on any) all get their names back."""
+    """Step 4e for one region's parked files: all go, or (an opener on any) all get their names back.
+
+    ``spoiled`` is the status of a file of the region that was kept while parking, if any.
+    """
     fsuid = os.geteuid()
-    if spoiled or any(_contested_now(fd, e.uid, fsuid) for e, fd, _ in files):
-        why = _REGION_KEPT if spoiled else _RACED
-        kept.extend(_restore(dir_fd, e, private, why) for e, _, private in files)
+    if spoiled is not None:
+        kept.extend(_restore(dir_fd, e, private, _REGION_KEPT, spoiled) for e, _, private in files)
+        return
+    if any(_contested_now(fd, e.uid, fsuid) for e, fd, _ in files):
+        kept.extend(_restore(dir_fd, e, private) for e, _, private in files)
         return
     for e, fd, private in files:
         outcome = _finish(dir_fd, e, fd, private)
@@ -498,8 +511,10 @@ def _finish(dir_fd: int, e: ScanEntry, fd: int, private: str) -> ScanEntry | Non
         lease.release(fd)
 
 
-def _restore(dir_fd: int, e: ScanEntry, private: str, why: str = "") -> ScanEntry:
-    """An opener is on this inode (or on its region): give the name back, file intact."""
+def _restore(
+    dir_fd: int, e: ScanEntry, private: str, why: str = _RACED, status: Status = Status.LIVE
+) -> ScanEntry:
+    """An opener is on this inode (or its region was kept): give the name back, file intact."""
     try:
         _rename_noreplace(dir_fd, private, e.name)
     except OSError as err:
@@ -508,7 +523,7 @@ def _restore(dir_fd: int, e: ScanEntry, private: str, why: str = "") -> ScanEntr
             Status.LIVE,
             f"kept as {private}: raced with an opener, and the name could not be restored ({_errname(err)})",
         )
-    return _kept(e, Status.LIVE, why or _RACED)
+    return _kept(e, status, why)
 
 
 def _private_name(e: ScanEntry) -> str:
