@@ -100,20 +100,6 @@ def root() -> Iterator[Path]:
         yield path
 
 
-@pytest.fixture(scope="session")
-def vouched() -> frozenset[int]:
-    """Processes outside the tests' control that cannot be inspected (a container's init)."""
-    from tests.procs import uninspectable_pids
-
-    return uninspectable_pids()
-
-
-@pytest.fixture(scope="session")
-def vouch(vouched: frozenset[int]) -> list[str]:
-    """The same, as CLI arguments."""
-    return [arg for pid in sorted(vouched) for arg in ("--assume-not-holding", str(pid))]
-
-
 @pytest.fixture
 def victim() -> Iterator[Path]:
     """A file outside the root that a hostile region name points at; it must survive."""

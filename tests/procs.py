@@ -176,12 +176,17 @@ def write_file(path: Path, size: int = SIZE, *, touch: int = 1) -> Path:
 def uninspectable_pids() -> frozenset[int]:
     """Processes this test run cannot inspect and does not control (here: the sandbox's init).
 
-    Tests that need a verdict other than ``unknown`` on the real ``/proc`` vouch for them,
-    as an operator would with ``--assume-not-holding``; the tests of ``unknown`` do not.
+    With the write lease no test needs to vouch for them; the tests of the fallback without
+    a lease (``--no-lease``) do, as an operator would with ``--assume-not-holding``.
     """
     from kvoffload.liveness.holders import collect_holders
 
     return frozenset(u.pid for u in collect_holders(inodes=()).uninspected if u.pid != os.getpid())
+
+
+def vouch_args() -> list[str]:
+    """``--assume-not-holding PID`` for each of ``uninspectable_pids()``."""
+    return [arg for pid in sorted(uninspectable_pids()) for arg in ("--assume-not-holding", str(pid))]
 
 
 @contextmanager

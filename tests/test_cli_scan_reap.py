@@ -16,7 +16,7 @@ import pytest
 from kvoffload.durations import parse_duration
 from kvoffload.errors import ConfigError
 from shmctl.app import main
-from tests.procs import REPO, Child, leave_orphan, region_path, uninspectable_pids, write_file
+from tests.procs import REPO, Child, leave_orphan, region_path, uninspectable_pids, vouch_args, write_file
 
 STATUSES = {"live", "orphaned", "starting", "unknown", "skipped"}
 ENTRY_KEYS = {
@@ -42,11 +42,11 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def test_scan_json_is_one_document_with_entries_and_summary_and_exit_1_for_orphans(
-    root: Path, engine_id: str, vouch: list[str], capsys: pytest.CaptureFixture[str]
+    root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     orphan = leave_orphan(root, engine_id, mode="region")
     with Child("map-only", write_file(region_path(root, engine_id + "-live"))) as child:
-        code, out, err = run(capsys, "scan", "--root", str(root), "--grace", "0", "--json", *vouch)
+        code, out, err = run(capsys, "scan", "--root", str(root), "--grace", "0", "--json")
     assert (code, err) == (1, "")
     doc = json.loads(out)
     assert {"root", "entries", "summary"} <= doc.keys()
@@ -74,19 +74,19 @@ def test_scan_json_is_one_document_with_entries_and_summary_and_exit_1_for_orpha
 
 
 def test_scan_exits_0_when_nothing_is_orphaned(
-    root: Path, engine_id: str, vouch: list[str], capsys: pytest.CaptureFixture[str]
+    root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     write_file(region_path(root, engine_id))
-    code, out, _ = run(capsys, "scan", "--root", str(root), "--json", *vouch)  # default grace: starting
+    code, out, _ = run(capsys, "scan", "--root", str(root), "--json")  # default grace: starting
     assert code == 0
     assert json.loads(out)["summary"]["starting"] == 1
 
 
 def test_scan_off_a_terminal_prints_plain_lines_and_a_summary(
-    root: Path, engine_id: str, vouch: list[str], capsys: pytest.CaptureFixture[str]
+    root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     orphan = leave_orphan(root, engine_id)
-    code, out, err = run(capsys, "scan", "--root", str(root), "--grace", "0", *vouch)
+    code, out, err = run(capsys, "scan", "--root", str(root), "--grace", "0")
     assert (code, err) == (1, "")
     lines = out.splitlines()
     assert lines[0].split("\t")[:2] == ["STATUS", "NAME"]
@@ -99,13 +99,12 @@ def test_scan_off_a_terminal_prints_plain_lines_and_a_summary(
 def test_the_root_comes_from_shmctl_root(
     root: Path,
     engine_id: str,
-    vouch: list[str],
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     leave_orphan(root, engine_id)
     monkeypatch.setenv("SHMCTL_ROOT", str(root))
-    code, out, _ = run(capsys, "scan", "--grace", "0s", "--json", *vouch)
+    code, out, _ = run(capsys, "scan", "--grace", "0s", "--json")
     assert code == 1
     assert json.loads(out)["root"] == str(root)
 
@@ -143,13 +142,13 @@ def test_a_missing_root_is_a_runtime_error_on_one_line(
 
 
 def test_scan_deleted_lists_unlinked_regions_still_mapped(
-    root: Path, engine_id: str, vouch: list[str], capsys: pytest.CaptureFixture[str]
+    root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = region_path(root, engine_id)
     with Child("vllm", path, 2 * 4096) as child:
         path.unlink()
-        code, out, _ = run(capsys, "scan", "--root", str(root), "--deleted", *vouch)
-        _, doc, _ = run(capsys, "scan", "--root", str(root), "--json", *vouch)
+        code, out, _ = run(capsys, "scan", "--root", str(root), "--deleted")
+        _, doc, _ = run(capsys, "scan", "--root", str(root), "--json")
     assert code == 0
     assert f"deleted\t{child.pid}\t" in out
     assert str(path) in out
@@ -158,10 +157,10 @@ def test_scan_deleted_lists_unlinked_regions_still_mapped(
 
 
 def test_reap_without_yes_off_a_terminal_refuses_and_removes_nothing(
-    root: Path, engine_id: str, vouch: list[str], capsys: pytest.CaptureFixture[str]
+    root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     orphan = leave_orphan(root, engine_id)
-    code, out, err = run(capsys, "reap", "--root", str(root), "--grace", "0", *vouch)
+    code, out, err = run(capsys, "reap", "--root", str(root), "--grace", "0")
     assert (code, out) == (2, "")
     assert "refusing to remove files without confirmation" in err
     assert "--yes" in err
@@ -169,10 +168,10 @@ def test_reap_without_yes_off_a_terminal_refuses_and_removes_nothing(
 
 
 def test_reap_dry_run_json_shows_what_would_go(
-    root: Path, engine_id: str, vouch: list[str], capsys: pytest.CaptureFixture[str]
+    root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     orphan = leave_orphan(root, engine_id)
-    code, out, err = run(capsys, "reap", "--root", str(root), "--grace", "0", "--dry-run", "--json", *vouch)
+    code, out, err = run(capsys, "reap", "--root", str(root), "--grace", "0", "--dry-run", "--json")
     assert (code, err) == (0, "")
     doc = json.loads(out)
     assert {"removed", "kept", "freed_bytes", "dry_run"} <= doc.keys()
@@ -183,12 +182,12 @@ def test_reap_dry_run_json_shows_what_would_go(
 
 
 def test_reap_yes_removes_orphans_keeps_live_and_reports_bytes(
-    root: Path, engine_id: str, vouch: list[str], capsys: pytest.CaptureFixture[str]
+    root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     orphan = leave_orphan(root, engine_id)
     live = region_path(root, engine_id + "-live")
     with Child("vllm", live):
-        code, out, err = run(capsys, "reap", "--root", str(root), "--grace", "0", "--yes", "--json", *vouch)
+        code, out, err = run(capsys, "reap", "--root", str(root), "--grace", "0", "--yes", "--json")
         assert live.exists()
     live.unlink()
     assert (code, err) == (0, "")
@@ -201,21 +200,17 @@ def test_reap_yes_removes_orphans_keeps_live_and_reports_bytes(
 
 
 def test_reap_text_output_names_each_region_and_the_total(
-    root: Path, engine_id: str, vouch: list[str], capsys: pytest.CaptureFixture[str]
+    root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     orphan = leave_orphan(root, engine_id)
-    code, out, _ = run(
-        capsys, "reap", "--root", str(root), "--grace", "0", "-y", "--engine", engine_id, *vouch
-    )
+    code, out, _ = run(capsys, "reap", "--root", str(root), "--grace", "0", "-y", "--engine", engine_id)
     assert code == 0
     assert out.splitlines()[0].split("\t")[:2] == ["removed", orphan.name]
     assert out.splitlines()[-1].startswith("removed 1 file(s), freed ")
 
 
-def test_reap_with_nothing_to_do_says_so(
-    root: Path, vouch: list[str], capsys: pytest.CaptureFixture[str]
-) -> None:
-    code, out, _ = run(capsys, "reap", "--root", str(root), "--yes", *vouch)
+def test_reap_with_nothing_to_do_says_so(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "reap", "--root", str(root), "--yes")
     assert code == 0
     assert out == f"nothing to reap: no region files in {root}\n"
 
@@ -281,11 +276,9 @@ def run_in_terminal(argv: list[str], answer: bytes | None) -> tuple[int, str]:
     return proc.wait(30), b"".join(chunks).decode(errors="replace")
 
 
-def test_reap_on_a_terminal_asks_and_removes_only_after_yes(
-    root: Path, engine_id: str, vouch: list[str]
-) -> None:
+def test_reap_on_a_terminal_asks_and_removes_only_after_yes(root: Path, engine_id: str) -> None:
     orphan = leave_orphan(root, engine_id)
-    argv = ["reap", "--root", str(root), "--grace", "0", *vouch]
+    argv = ["reap", "--root", str(root), "--grace", "0"]
     code, text = run_in_terminal(argv, b"n\n")
     assert code == 0
     assert "Remove 1 orphaned file(s)" in text
@@ -297,19 +290,17 @@ def test_reap_on_a_terminal_asks_and_removes_only_after_yes(
     assert not orphan.exists()
 
 
-def test_a_table_of_many_regions_is_cut_to_the_limit_on_a_terminal(
-    root: Path, engine_id: str, vouch: list[str]
-) -> None:
+def test_a_table_of_many_regions_is_cut_to_the_limit_on_a_terminal(root: Path, engine_id: str) -> None:
     for i in range(12):
         write_file(region_path(root, f"{engine_id}-{i}"))
-    code, text = run_in_terminal(["scan", "--root", str(root), "--grace", "0", "--limit", "5", *vouch], None)
+    code, text = run_in_terminal(["scan", "--root", str(root), "--grace", "0", "--limit", "5"], None)
     assert code == 1
     assert "7 more region(s) not shown" in text
     assert "\x1b[" in text  # colour on a terminal
     assert "12 region file(s)" in text
 
 
-def test_scan_and_reap_never_import_numpy_or_torch(root: Path, engine_id: str, vouch: list[str]) -> None:
+def test_scan_and_reap_never_import_numpy_or_torch(root: Path, engine_id: str) -> None:
     leave_orphan(root, engine_id)
     code = (
         "import sys; from shmctl.app import main; "
@@ -317,7 +308,7 @@ def test_scan_and_reap_never_import_numpy_or_torch(root: Path, engine_id: str, v
         "print([int(c) for c in codes], sorted(m for m in ('numpy', 'torch') if m in sys.modules))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, "--root", str(root), "--grace", "0", "--json", *vouch],
+        [sys.executable, "-c", code, "--root", str(root), "--grace", "0", "--json"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -354,12 +345,14 @@ def test_a_bad_duration_names_its_option(text: str) -> None:
 
 
 def test_vouched_processes_are_reported_but_not_named_as_blind_spots(
-    root: Path, engine_id: str, vouch: list[str], capsys: pytest.CaptureFixture[str]
+    root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     if not uninspectable_pids():
         pytest.skip("every process on this machine can be inspected")
     leave_orphan(root, engine_id)
-    code, out, err = run(capsys, "scan", "--root", str(root), "--grace", "0", "--json", *vouch)
+    code, out, err = run(
+        capsys, "scan", "--root", str(root), "--grace", "0", "--json", "--no-lease", *vouch_args()
+    )
     doc = json.loads(out)
     assert code == 1
     assert doc["assumed_not_holding"] == sorted(uninspectable_pids())

@@ -90,7 +90,7 @@ def _trapping_command(tmp_path: Path) -> Iterator[tuple[list[str], Path]]:
 
 @pytest.mark.parametrize("signum", FORWARDED_SIGNALS, ids=lambda s: signal.Signals(s).name)
 def test_a_signal_to_audit_is_passed_on_and_the_report_still_comes(
-    signum: signal.Signals, root: Path, tmp_path: Path, vouch: list[str]
+    signum: signal.Signals, root: Path, tmp_path: Path
 ) -> None:
     name = signal.Signals(signum).name
     with _trapping_command(tmp_path) as (command, base):
@@ -112,12 +112,12 @@ def test_a_signal_to_audit_is_passed_on_and_the_report_still_comes(
     assert os.listdir(root) == []
 
 
-def test_ctrl_c_in_the_middle_of_a_command_is_one_line_and_exit_130(root: Path, vouch: list[str]) -> None:
+def test_ctrl_c_in_the_middle_of_a_command_is_one_line_and_exit_130(root: Path) -> None:
     # Enough rows to fill the stdout pipe, which nobody reads: scan blocks in write() inside
     # the command, where typer used to turn the KeyboardInterrupt into a silent exit 130.
     for i in range(1500):
         (root / f"vllm_offload_kvtest-{i:05d}-{'x' * 40}.mmap").touch()
-    with _shmctl("scan", "--root", str(root), "--grace", "0s", "--limit", "0", *vouch) as shmctl:
+    with _shmctl("scan", "--root", str(root), "--grace", "0s", "--limit", "0") as shmctl:
         seen: list[int] = []
 
         def stuck_on_a_full_stdout() -> bool:

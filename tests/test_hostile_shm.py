@@ -66,17 +66,17 @@ SYMLINK_TARGETS = [
 
 @pytest.mark.parametrize("target", SYMLINK_TARGETS)
 def test_a_symlink_with_a_region_name_is_skipped_and_nothing_it_points_to_is_touched(
-    root: Path, engine_id: str, vouched: frozenset[int], tmp_path: Path, target: str
+    root: Path, engine_id: str, tmp_path: Path, target: str
 ) -> None:
     victim = _make_victim(target, root, engine_id, tmp_path)
     link = region_path(root, engine_id)
     link.symlink_to(victim)
     before = fingerprint(victim) if os.path.lexists(victim) else None
     with Child("map-only", victim) if target == "live region" else contextlib.nullcontext():
-        report = reap(root, grace_s=0, assume_not_holding=vouched)
-        skipped = entry(report_of(root, vouched), link.name)
+        report = reap(root, grace_s=0)
+        skipped = entry(report_of(root), link.name)
         if target == "live region":
-            assert entry(report_of(root, vouched), victim.name).status is Status.LIVE
+            assert entry(report_of(root), victim.name).status is Status.LIVE
     assert report.removed == ()
     assert (skipped.status, skipped.kind, skipped.reason) == (
         Status.SKIPPED,
@@ -89,8 +89,8 @@ def test_a_symlink_with_a_region_name_is_skipped_and_nothing_it_points_to_is_tou
         assert fingerprint(victim) == before
 
 
-def report_of(root: Path, vouched: frozenset[int]) -> ScanReport:
-    return scan(root, grace_s=0, assume_not_holding=vouched)
+def report_of(root: Path) -> ScanReport:
+    return scan(root, grace_s=0)
 
 
 def _make_victim(target: str, root: Path, engine_id: str, tmp_path: Path) -> Path:
@@ -106,15 +106,13 @@ def _make_victim(target: str, root: Path, engine_id: str, tmp_path: Path) -> Pat
     return tmp_path / "nothing-here"
 
 
-def test_two_region_names_on_one_inode_are_both_skipped_and_kept(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_two_region_names_on_one_inode_are_both_skipped_and_kept(root: Path, engine_id: str) -> None:
     first = write_file(region_path(root, engine_id))
     second = region_path(root, engine_id + "-alias")
     os.link(first, second)
-    report = reap(root, grace_s=0, assume_not_holding=vouched)
+    report = reap(root, grace_s=0)
     assert report.removed == ()
-    fresh = report_of(root, vouched)
+    fresh = report_of(root)
     for path in (first, second):
         e = entry(fresh, path.name)
         assert (e.status, e.reason) == (Status.SKIPPED, "2 hard links: another name shares this inode")
@@ -122,21 +120,19 @@ def test_two_region_names_on_one_inode_are_both_skipped_and_kept(
 
 
 def test_a_hard_link_to_a_live_region_keeps_the_region_and_its_alias(
-    root: Path, engine_id: str, vouched: frozenset[int], tmp_path: Path
+    root: Path, engine_id: str, tmp_path: Path
 ) -> None:
     live = write_file(region_path(root, engine_id))
     alias = root / "alias-of-live"
     os.link(live, alias)
     with Child("map-only", live):
-        report = reap(root, grace_s=0, assume_not_holding=vouched)
-        assert entry(report_of(root, vouched), live.name).status is Status.SKIPPED
+        report = reap(root, grace_s=0)
+        assert entry(report_of(root), live.name).status is Status.SKIPPED
     assert report.removed == ()
     assert os.stat(live).st_nlink == 2
 
 
-def test_a_socket_and_a_device_with_region_names_are_left_alone(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_a_socket_and_a_device_with_region_names_are_left_alone(root: Path, engine_id: str) -> None:
     sock_path = region_path(root, engine_id + "-sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -148,9 +144,9 @@ def test_a_socket_and_a_device_with_region_names_are_left_alone(
             kinds[device.name] = "character device"
         except PermissionError:
             pass  # no CAP_MKNOD here: the socket still makes the point
-        report = reap(root, grace_s=0, assume_not_holding=vouched)
+        report = reap(root, grace_s=0)
         assert report.removed == ()
-        fresh = report_of(root, vouched)
+        fresh = report_of(root)
         for name, kind in kinds.items():
             e = entry(fresh, name)
             assert (e.status, e.kind, e.reason) == (Status.SKIPPED, kind, f"{kind}: not a region file")
@@ -249,14 +245,14 @@ def test_reap_keeps_a_name_that_changes_after_its_files_are_locked(
 
 
 def test_a_symlink_planted_between_the_plan_and_the_reap_is_kept(
-    root: Path, engine_id: str, vouched: frozenset[int], tmp_path: Path
+    root: Path, engine_id: str, tmp_path: Path
 ) -> None:
     path = write_file(region_path(root, engine_id))
     victim = write_file(tmp_path / "victim")
-    plan = reap(root, grace_s=0, assume_not_holding=vouched, dry_run=True)
+    plan = reap(root, grace_s=0, dry_run=True)
     assert [e.name for e in plan.removed] == [path.name]
     swap_in_symlink(path, victim)()
-    report = reap(root, grace_s=0, assume_not_holding=vouched, only=plan)
+    report = reap(root, grace_s=0, only=plan)
     assert report.removed == ()
     assert [(e.status, e.reason) for e in report.kept] == [
         (Status.UNKNOWN, "the name now refers to another file")
@@ -267,7 +263,7 @@ def test_a_symlink_planted_between_the_plan_and_the_reap_is_kept(
 
 @pytest.mark.slow
 def test_a_name_flipping_between_file_symlink_and_hard_link_never_fools_a_reaper_in_a_loop(
-    root: Path, engine_id: str, vouched: frozenset[int], tmp_path: Path, outside: Path
+    root: Path, engine_id: str, tmp_path: Path, outside: Path
 ) -> None:
     path = region_path(root, engine_id)
     live = write_file(region_path(root, engine_id + "-live"))
@@ -311,13 +307,13 @@ def test_a_name_flipping_between_file_symlink_and_hard_link_never_fools_a_reaper
             rounds = 0
             while time.monotonic() < deadline or rounds < 5:
                 rounds += 1
-                report = reap(root, grace_s=0, assume_not_holding=vouched)
+                report = reap(root, grace_s=0)
                 removed.extend(report.removed)
         finally:
             stop.set()
             flipper.join(10)
         assert live.exists()
-        assert entry(report_of(root, vouched), live.name).status is Status.LIVE
+        assert entry(report_of(root), live.name).status is Status.LIVE
     assert failures == []
     assert all(e.name == path.name for e in removed)
     assert {e.identity for e in removed} <= regular  # never a symlink, never a linked inode
@@ -358,7 +354,7 @@ print(json.dumps({"generations": generations, "violations": violations}), flush=
 
 @pytest.mark.slow
 def test_an_engine_recreating_its_pinned_name_never_loses_the_live_generation_to_a_reaper(
-    root: Path, engine_id: str, vouched: frozenset[int]
+    root: Path, engine_id: str
 ) -> None:
     path = region_path(root, engine_id)
     engine = subprocess.Popen(
@@ -371,7 +367,7 @@ def test_an_engine_recreating_its_pinned_name_never_loses_the_live_generation_to
     removed = 0
     try:
         while engine.poll() is None:
-            report = reap(root, grace_s=0, assume_not_holding=vouched)
+            report = reap(root, grace_s=0)
             removed += len(report.removed)
             assert all(e.status in (Status.ORPHANED, Status.UNKNOWN, Status.LIVE) for e in report.kept)
         out, err = engine.communicate(timeout=30)
@@ -390,24 +386,20 @@ def test_an_engine_recreating_its_pinned_name_never_loses_the_live_generation_to
 
 
 @pytest.mark.root
-def test_another_users_live_file_is_kept_even_with_all_users(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_another_users_live_file_is_kept_even_with_all_users(root: Path, engine_id: str) -> None:
     path = write_file(region_path(root, engine_id))
     os.chown(path, 65534, 65534)
     with ForeignHolder(path) as holder:
-        mine = reap(root, grace_s=0, assume_not_holding=vouched)
-        everyone = reap(root, grace_s=0, assume_not_holding=vouched, all_users=True)
-        e = entry(scan(root, grace_s=0, assume_not_holding=vouched, all_users=True), path.name)
+        mine = reap(root, grace_s=0)
+        everyone = reap(root, grace_s=0, all_users=True)
+        e = entry(scan(root, grace_s=0, all_users=True), path.name)
     assert (mine.removed, everyone.removed) == ((), ())
     assert e.status is Status.LIVE
     assert [h.pid for h in e.holders] == [holder.pid]
     assert e.reason.startswith(f"held by 1 process(es): {holder.pid}:")
-    skipped = entry(report_of(root, vouched), path.name)
+    skipped = entry(report_of(root), path.name)
     assert skipped.reason == "owned by uid 65534, not you (root can judge it with --all-users)"
-    assert [x.name for x in reap(root, grace_s=0, assume_not_holding=vouched, all_users=True).removed] == [
-        path.name
-    ]
+    assert [x.name for x in reap(root, grace_s=0, all_users=True).removed] == [path.name]
 
 
 @pytest.mark.root
@@ -472,13 +464,11 @@ def near_misses(engine_id: str) -> list[str]:
     ]
 
 
-def test_names_that_almost_match_are_never_listed_or_removed(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_names_that_almost_match_are_never_listed_or_removed(root: Path, engine_id: str) -> None:
     for name in near_misses(engine_id):
         write_file(root / name)
-    assert report_of(root, vouched).entries == ()
-    assert reap(root, grace_s=0, assume_not_holding=vouched).removed == ()
+    assert report_of(root).entries == ()
+    assert reap(root, grace_s=0).removed == ()
     assert sorted(os.listdir(root)) == sorted(near_misses(engine_id))
 
 
@@ -508,22 +498,20 @@ def test_exotic_names_parse_and_are_judged_as_regions(engine_id: str) -> None:
     assert len(exotic_names(engine_id)[7]) == names.NAME_MAX
 
 
-def test_exotic_names_are_reported_one_per_line_and_reaped_by_the_cli(
-    root: Path, engine_id: str, vouch: list[str]
-) -> None:
+def test_exotic_names_are_reported_one_per_line_and_reaped_by_the_cli(root: Path, engine_id: str) -> None:
     planted = set()
     for raw in exotic_names(engine_id):
         write_file(Path(os.fsdecode(bytes(root) + b"/" + raw)))
         planted.add(raw)
     strict = {"PYTHONIOENCODING": "utf-8", "NO_COLOR": "1"}  # a UTF-8 locale: no surrogateescape
 
-    done = shmctl("scan", "--root", str(root), "--grace", "0", "--json", *vouch, env=strict)
+    done = shmctl("scan", "--root", str(root), "--grace", "0", "--json", env=strict)
     assert (done.returncode, done.stderr) == (1, "")
     doc = json.loads(done.stdout)
     assert {os.fsencode(e["name"]) for e in doc["entries"]} == planted
     assert {e["status"] for e in doc["entries"]} == {"orphaned"}
 
-    done = shmctl("scan", "--root", str(root), "--grace", "0", *vouch, env=strict)
+    done = shmctl("scan", "--root", str(root), "--grace", "0", env=strict)
     assert (done.returncode, done.stderr) == (1, "")
     lines = done.stdout.splitlines()
     assert len(lines) == 1 + len(planted) + 1  # header, one line per file, summary
@@ -531,7 +519,7 @@ def test_exotic_names_are_reported_one_per_line_and_reaped_by_the_cli(
     assert "\x1b" not in done.stdout
     assert "\u202e" not in done.stdout
 
-    done = shmctl("reap", "--root", str(root), "--grace", "0", "--yes", *vouch, env=strict)
+    done = shmctl("reap", "--root", str(root), "--grace", "0", "--yes", env=strict)
     assert (done.returncode, done.stderr) == (0, "")
     assert len(done.stdout.splitlines()) == len(planted) + 1
     assert all(line.startswith("removed\t") for line in done.stdout.splitlines()[:-1])
@@ -560,17 +548,15 @@ def test_audit_reports_a_leaked_file_with_control_characters_on_escaped_lines(
 
 
 @pytest.mark.root
-def test_a_full_root_still_scans_and_its_orphans_are_reaped(
-    tmp_path: Path, engine_id: str, vouch: list[str]
-) -> None:
+def test_a_full_root_still_scans_and_its_orphans_are_reaped(tmp_path: Path, engine_id: str) -> None:
     with small_tmpfs(tmp_path) as mnt:
         orphan = write_file(region_path(mnt, engine_id), 1 << 16, touch=4)
         filler = fill(mnt)
         assert os.statvfs(mnt).f_bavail == 0
-        done = shmctl("scan", "--root", str(mnt), "--grace", "0", "--json", *vouch)
+        done = shmctl("scan", "--root", str(mnt), "--grace", "0", "--json")
         assert done.returncode == 1, done.stderr
         assert [e["name"] for e in json.loads(done.stdout)["entries"]] == [orphan.name]
-        done = shmctl("reap", "--root", str(mnt), "--grace", "0", "--yes", *vouch)
+        done = shmctl("reap", "--root", str(mnt), "--grace", "0", "--yes")
         assert (done.returncode, done.stderr) == (0, "")
         assert sorted(os.listdir(mnt)) == [filler.name]
 
@@ -627,12 +613,12 @@ def test_a_root_that_fills_up_after_the_space_check_fails_the_reservation_cleanl
 @pytest.mark.root
 @pytest.mark.slow
 def test_init_in_a_root_too_small_for_the_region_exits_3_with_the_fix_and_leaves_nothing(
-    tmp_path: Path, vouch: list[str]
+    tmp_path: Path,
 ) -> None:
     config = json.dumps({"kv_connector_extra_config": {"cpu_bytes_to_use": 4 << 20}})
     with small_tmpfs(tmp_path, "1m") as mnt:
         done = shmctl(
-            "init", "--root", str(mnt), "--kv-transfer-config", config, "--kv-bytes-per-block", "4096", *vouch
+            "init", "--root", str(mnt), "--kv-transfer-config", config, "--kv-bytes-per-block", "4096"
         )
         assert done.returncode == 3, done.stdout + done.stderr
         assert "Traceback" not in done.stdout + done.stderr

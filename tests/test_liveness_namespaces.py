@@ -28,7 +28,7 @@ import pytest
 from kvoffload.liveness.lease import LeaseState
 from kvoffload.liveness.reap import reap
 from kvoffload.liveness.scan import Evidence, Status, scan
-from tests.procs import NOBODY, REPO, Child, entry, leave_orphan, region_path, write_file
+from tests.procs import NOBODY, REPO, Child, entry, leave_orphan, region_path, vouch_args, write_file
 
 #: A child PID namespace with its own /proc; its processes die with unshare.
 IN_CHILD_PID_NS = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")
@@ -207,13 +207,13 @@ def test_a_reap_from_a_child_pid_namespace_removes_the_dead_file_and_never_one_h
 @pytest.mark.root
 @pytest.mark.parametrize("kind", HOLDERS)
 def test_a_holder_in_a_child_pid_namespace_is_named_from_the_host_and_its_lease_is_refused(
-    root: Path, engine_id: str, vouched: frozenset[int], kind: str
+    root: Path, engine_id: str, kind: str
 ) -> None:
     require_unshare()
     held = write_file(region_path(root, engine_id))
     dead = leave_orphan(root, engine_id + "-dead")
     with holding(kind, held, prefix=IN_CHILD_PID_NS) as holder:
-        report = scan(root, grace_s=0, assume_not_holding=vouched)
+        report = scan(root, grace_s=0)
         # The holder is unshare's child, pid 1 of its namespace: the host's /proc shows it.
         parents = [parent_of(h.pid) for h in entry(report, held.name).holders]
         kept = reap(root, grace_s=0)
@@ -325,15 +325,15 @@ def test_a_holder_the_scanner_cannot_inspect_keeps_its_file_live_by_the_lease_an
 
 @pytest.mark.root
 def test_with_no_lease_root_judges_from_proc_and_every_entry_says_the_lease_was_off(
-    root: Path, engine_id: str, vouch: list[str]
+    root: Path, engine_id: str
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: another user cannot inspect every process without a lease")
     held = write_file(region_path(root, engine_id))
     dead = leave_orphan(root, engine_id + "-dead")
     with Child("fd-only", held) as holder:
-        scanned = cli_scan(root, "--no-lease", *vouch)
-        reaped = cli_reap(root, "--no-lease", *vouch)
+        scanned = cli_scan(root, "--no-lease", *vouch_args())
+        reaped = cli_reap(root, "--no-lease", *vouch_args())
         still = held.exists()
     assert scanned.returncode == 1, scanned.stderr
     report = json.loads(scanned.stdout)
@@ -352,7 +352,7 @@ def test_with_no_lease_root_judges_from_proc_and_every_entry_says_the_lease_was_
 
 @pytest.mark.root
 def test_root_without_cap_lease_judges_other_users_files_from_proc_and_names_the_missing_capability(
-    root: Path, engine_id: str, vouch: list[str]
+    root: Path, engine_id: str
 ) -> None:
     require_root()
     held = write_file(region_path(root, engine_id))
@@ -360,8 +360,8 @@ def test_root_without_cap_lease_judges_other_users_files_from_proc_and_names_the
     give_to(HOLDER_UID, held, dead)
     no_cap = f"not the file's owner (uid {HOLDER_UID}, we are 0) and no CAP_LEASE"
     with Child("fd-only", held, prefix=AS_HOLDER) as holder:
-        scanned = cli_scan(root, "--all-users", *vouch, prefix=WITHOUT_CAP_LEASE)
-        reaped = cli_reap(root, "--all-users", *vouch, prefix=WITHOUT_CAP_LEASE)
+        scanned = cli_scan(root, "--all-users", *vouch_args(), prefix=WITHOUT_CAP_LEASE)
+        reaped = cli_reap(root, "--all-users", *vouch_args(), prefix=WITHOUT_CAP_LEASE)
         still = held.exists()
     assert scanned.returncode == 1, scanned.stderr
     report = json.loads(scanned.stdout)

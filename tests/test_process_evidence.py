@@ -24,13 +24,23 @@ from kvoffload.liveness.holders import collect_holders
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import ScanReport, Status, scan
 from tests.hostile import GATE_PID, ProcGate, ZombieLeader
-from tests.procs import NOBODY, REPO, TEST_TAG, Child, entry, leave_orphan, region_path, write_file
+from tests.procs import (
+    NOBODY,
+    REPO,
+    TEST_TAG,
+    Child,
+    entry,
+    leave_orphan,
+    region_path,
+    uninspectable_pids,
+    write_file,
+)
 
 IN_OWN_PID_NS = ("unshare", "--pid", "--fork", "--mount-proc")
 
 
-def judge(root: Path, vouched: frozenset[int]) -> ScanReport:
-    return scan(root, grace_s=0, assume_not_holding=vouched)
+def judge(root: Path) -> ScanReport:
+    return scan(root, grace_s=0)
 
 
 def unshare_available() -> bool:
@@ -43,22 +53,20 @@ def unshare_available() -> bool:
 # ---------------------------------------------------------------------------- zombies
 
 
-def test_a_process_whose_main_thread_exited_still_holds_what_its_threads_map(
-    root: Path, vouched: frozenset[int]
-) -> None:
+def test_a_process_whose_main_thread_exited_still_holds_what_its_threads_map(root: Path) -> None:
     path = region_path(root, f"{TEST_TAG}zombie-leader")
     with ZombieLeader(path) as proc:
         assert proc.state() == "Z"
-        e = entry(judge(root, vouched), path.name)
+        e = entry(judge(root), path.name)
         assert e.status is Status.LIVE
         assert [(h.pid, h.via) for h in e.holders] == [(proc.pid, ("fd", "map"))]
-        assert reap(root, grace_s=0, assume_not_holding=vouched).removed == ()
+        assert reap(root, grace_s=0).removed == ()
         assert path.exists()
-    assert entry(judge(root, vouched), path.name).status is Status.ORPHANED
+    assert entry(judge(root), path.name).status is Status.ORPHANED
 
 
 def test_an_owner_that_died_and_was_not_yet_waited_for_is_a_zombie_not_an_owner(
-    root: Path, engine_id: str, vouched: frozenset[int]
+    root: Path, engine_id: str
 ) -> None:
     path = region_path(root, engine_id)
     child = Child("region", path)
@@ -68,7 +76,7 @@ def test_an_owner_that_died_and_was_not_yet_waited_for_is_a_zombie_not_an_owner(
         while not procfs.read_stat(child.pid).is_zombie:
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        e = entry(judge(root, vouched), path.name)
+        e = entry(judge(root), path.name)
     finally:
         child.kill()
     assert e.status is Status.ORPHANED
@@ -154,23 +162,21 @@ def test_a_pid_reused_by_another_process_does_not_keep_a_dead_owners_region(
 
 
 @pytest.mark.root
-def test_a_vllm_holder_inside_a_child_pid_namespace_is_seen_from_the_host(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_a_vllm_holder_inside_a_child_pid_namespace_is_seen_from_the_host(root: Path, engine_id: str) -> None:
     if not unshare_available():
         pytest.skip("needs root and unshare(1) to run a holder in its own PID namespace")
     path = region_path(root, engine_id)
     with Child("vllm", path, prefix=(*IN_OWN_PID_NS, "--kill-child")) as child:
-        e = entry(judge(root, vouched), path.name)
+        e = entry(judge(root), path.name)
         assert e.status is Status.LIVE
         assert e.lock_held is False  # a lockless vLLM file: the kernel's maps are the evidence
         assert child.pid not in [h.pid for h in e.holders]  # the holder is unshare's child
-        assert reap(root, grace_s=0, assume_not_holding=vouched).removed == ()
+        assert reap(root, grace_s=0).removed == ()
     deadline = time.monotonic() + 10
-    while entry(judge(root, vouched), path.name).status is Status.LIVE:
+    while entry(judge(root), path.name).status is Status.LIVE:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert [e.name for e in reap(root, grace_s=0, assume_not_holding=vouched).removed] == [path.name]
+    assert [e.name for e in reap(root, grace_s=0).removed] == [path.name]
 
 
 # ---------------------------------------------------------------- unreadable and vanishing
@@ -219,9 +225,7 @@ def test_a_process_that_exits_while_it_is_being_read_is_neither_a_holder_nor_a_b
     assert e.status is Status.ORPHANED  # a process that exited holds nothing and hides nothing
 
 
-def test_scans_racing_a_storm_of_short_lived_processes_stay_exact(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_scans_racing_a_storm_of_short_lived_processes_stay_exact(root: Path, engine_id: str) -> None:
     live = region_path(root, engine_id)
     orphan = leave_orphan(root, engine_id + "-dead")
     storm = subprocess.Popen(
@@ -232,11 +236,11 @@ def test_scans_racing_a_storm_of_short_lived_processes_stay_exact(
     try:
         with Child("vllm", live):
             for _ in range(15):
-                report = judge(root, vouched)
-                assert {u.pid for u in report.uninspected} <= vouched
+                report = judge(root)
+                assert {u.pid for u in report.uninspected} <= uninspectable_pids()
                 assert entry(report, live.name).status is Status.LIVE
                 assert entry(report, orphan.name).status is Status.ORPHANED
-            removed = reap(root, grace_s=0, assume_not_holding=vouched, filters=ReapFilter()).removed
+            removed = reap(root, grace_s=0, filters=ReapFilter()).removed
             assert [e.name for e in removed] == [orphan.name]
             assert live.exists()
     finally:

@@ -27,7 +27,6 @@ EVERYTHING = ReapFilter()
 
 def reap_now(
     root: Path,
-    vouched: frozenset[int],
     *,
     filters: ReapFilter = EVERYTHING,
     dry_run: bool = False,
@@ -38,7 +37,6 @@ def reap_now(
     return reap(
         root,
         grace_s=0,
-        assume_not_holding=vouched,
         filters=filters,
         dry_run=dry_run,
         all_users=all_users,
@@ -52,23 +50,21 @@ def names(entries: Iterable[ScanEntry]) -> list[str]:
 
 
 def test_the_orphan_of_a_sigkilled_holder_is_reaped_and_its_memory_counted(
-    root: Path, engine_id: str, vouched: frozenset[int]
+    root: Path, engine_id: str
 ) -> None:
     path = leave_orphan(root, engine_id)
     resident = os.stat(path).st_blocks * 512
-    report = reap_now(root, vouched)
+    report = reap_now(root)
     assert names(report.removed) == [path.name]
     assert (report.kept, report.freed_bytes, report.dry_run) == ((), resident, False)
     assert resident > 0
     assert not path.exists()
 
 
-def test_a_file_with_a_live_holder_is_never_reaped(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_a_file_with_a_live_holder_is_never_reaped(root: Path, engine_id: str) -> None:
     path = region_path(root, engine_id)
     with Child("vllm", path):
-        report = reap_now(root, vouched)
+        report = reap_now(root)
         assert (report.removed, report.kept) == ((), ())
         assert report.summary.live == 1
         assert path.exists()
@@ -76,7 +72,7 @@ def test_a_file_with_a_live_holder_is_never_reaped(
 
 
 def test_a_live_holder_keeps_its_file_even_with_a_dead_owners_pid_on_record(
-    root: Path, engine_id: str, vouched: frozenset[int]
+    root: Path, engine_id: str
 ) -> None:
     held = region_path(root, engine_id)
     ghost = write_file(region_path(root, engine_id + "-ghost"))
@@ -87,91 +83,79 @@ def test_a_live_holder_keeps_its_file_even_with_a_dead_owners_pid_on_record(
             fd = os.open(path, os.O_RDONLY)
             owner.write_owner(fd, dead_owner)
             os.close(fd)
-        report = reap_now(root, vouched, filters=ReapFilter(owner_pid=child.pid))
+        report = reap_now(root, filters=ReapFilter(owner_pid=child.pid))
         assert names(report.removed) == [ghost.name]
         assert held.exists()
     held.unlink()
 
 
-def test_filters_select_by_engine_and_dead_owner_pid(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_filters_select_by_engine_and_dead_owner_pid(root: Path, engine_id: str) -> None:
     mine = leave_orphan(root, engine_id, mode="region")
     other = leave_orphan(root, engine_id + "-other")
     record = owner.read_owner(mine)
     assert record is not None
-    assert names(reap_now(root, vouched, dry_run=True, filters=ReapFilter(owner_pid=record.pid)).removed) == [
+    assert names(reap_now(root, dry_run=True, filters=ReapFilter(owner_pid=record.pid)).removed) == [
         mine.name
     ]
-    assert names(reap_now(root, vouched, filters=ReapFilter(engine_id=engine_id + "-other")).removed) == [
-        other.name
-    ]
+    assert names(reap_now(root, filters=ReapFilter(engine_id=engine_id + "-other")).removed) == [other.name]
     assert mine.exists()
-    assert names(reap_now(root, vouched, filters=ReapFilter(engine_id=engine_id)).removed) == [mine.name]
+    assert names(reap_now(root, filters=ReapFilter(engine_id=engine_id)).removed) == [mine.name]
 
 
-def test_older_than_is_an_extra_filter_after_liveness(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_older_than_is_an_extra_filter_after_liveness(root: Path, engine_id: str) -> None:
     path = leave_orphan(root, engine_id)
-    assert reap_now(root, vouched, filters=ReapFilter(older_than_s=3600)).removed == ()
+    assert reap_now(root, filters=ReapFilter(older_than_s=3600)).removed == ()
     later = time.time() + 7200
-    assert names(reap_now(root, vouched, filters=ReapFilter(older_than_s=3600), now=later).removed) == [
-        path.name
-    ]
+    assert names(reap_now(root, filters=ReapFilter(older_than_s=3600), now=later).removed) == [path.name]
     with pytest.raises(ConfigError):
         ReapFilter(older_than_s=-1)
 
 
-def test_dry_run_removes_nothing_and_reports_what_would_go(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_dry_run_removes_nothing_and_reports_what_would_go(root: Path, engine_id: str) -> None:
     path = leave_orphan(root, engine_id)
-    report = reap_now(root, vouched, dry_run=True)
+    report = reap_now(root, dry_run=True)
     assert report.dry_run
     assert names(report.removed) == [path.name]
     assert report.freed_bytes == os.stat(path).st_blocks * 512
     assert path.exists()
-    reap_now(root, vouched)
+    reap_now(root)
 
 
-def test_segments_go_with_their_base(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+def test_segments_go_with_their_base(root: Path, engine_id: str) -> None:
     files = [write_file(region_path(root, engine_id, segment)) for segment in (0, 1, 2)]
-    report = reap_now(root, vouched)
+    report = reap_now(root)
     assert names(report.removed) == sorted(p.name for p in files)
     assert [e.segment for e in report.removed] == [1, 2, 0]  # base last
     assert os.listdir(root) == []
 
 
-def test_a_region_with_a_held_segment_is_not_reaped(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_a_region_with_a_held_segment_is_not_reaped(root: Path, engine_id: str) -> None:
     base = write_file(region_path(root, engine_id))
     segment = write_file(region_path(root, engine_id, 1))
     with Child("map-only", segment):
-        assert reap_now(root, vouched).removed == ()
+        assert reap_now(root).removed == ()
     assert base.exists()
     assert segment.exists()
-    reap_now(root, vouched)
+    reap_now(root)
 
 
 def test_a_symlink_to_a_victim_is_left_alone_and_the_victim_survives(
-    root: Path, engine_id: str, vouched: frozenset[int], victim: Path
+    root: Path, engine_id: str, victim: Path
 ) -> None:
     link = region_path(root, engine_id)
     link.symlink_to(victim)
-    assert reap_now(root, vouched).removed == ()
+    assert reap_now(root).removed == ()
     assert link.is_symlink()
     assert victim.read_bytes()[:1] == b"x"
 
 
 def test_a_hard_link_a_fifo_and_a_directory_with_region_names_are_left_alone(
-    root: Path, engine_id: str, vouched: frozenset[int], victim: Path
+    root: Path, engine_id: str, victim: Path
 ) -> None:
     os.link(victim, region_path(root, engine_id + "-hard"))
     os.mkfifo(region_path(root, engine_id + "-fifo"))
     os.mkdir(region_path(root, engine_id + "-dir"))
-    report = reap_now(root, vouched)
+    report = reap_now(root)
     assert report.removed == ()
     assert report.summary.skipped == 3
     assert len(os.listdir(root)) == 3
@@ -179,16 +163,14 @@ def test_a_hard_link_a_fifo_and_a_directory_with_region_names_are_left_alone(
 
 
 @pytest.mark.root
-def test_another_users_file_is_reaped_only_with_all_users(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_another_users_file_is_reaped_only_with_all_users(root: Path, engine_id: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to chown a file to uid 65534")
     path = write_file(region_path(root, engine_id))
     os.chown(path, 65534, 65534)
-    assert reap_now(root, vouched).removed == ()
+    assert reap_now(root).removed == ()
     assert path.exists()
-    assert names(reap_now(root, vouched, all_users=True).removed) == [path.name]
+    assert names(reap_now(root, all_users=True).removed) == [path.name]
 
 
 def test_without_a_lease_an_unknown_file_is_never_reaped(root: Path, engine_id: str, tmp_path: Path) -> None:
@@ -204,12 +186,12 @@ def test_without_a_lease_an_unknown_file_is_never_reaped(root: Path, engine_id: 
     path.unlink()
 
 
-def test_a_name_reused_after_the_plan_is_kept(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+def test_a_name_reused_after_the_plan_is_kept(root: Path, engine_id: str) -> None:
     path = leave_orphan(root, engine_id)
-    plan = reap_now(root, vouched, dry_run=True)
+    plan = reap_now(root, dry_run=True)
     path.unlink()
     write_file(path)  # a new engine with the same pinned engine_id, same name, new inode
-    report = reap_now(root, vouched, only=plan)
+    report = reap_now(root, only=plan)
     assert report.removed == ()
     assert [(e.name, e.status, e.reason) for e in report.kept] == [
         (path.name, Status.UNKNOWN, "the name now refers to another file")
@@ -218,39 +200,37 @@ def test_a_name_reused_after_the_plan_is_kept(root: Path, engine_id: str, vouche
     path.unlink()
 
 
-def test_a_holder_that_attaches_after_the_plan_keeps_the_file(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_a_holder_that_attaches_after_the_plan_keeps_the_file(root: Path, engine_id: str) -> None:
     path = leave_orphan(root, engine_id)
-    plan = reap_now(root, vouched, dry_run=True)
+    plan = reap_now(root, dry_run=True)
     assert names(plan.removed) == [path.name]
     with Child("map-only", path):
-        report = reap_now(root, vouched, only=plan)
+        report = reap_now(root, only=plan)
     assert report.removed == ()
     assert [(e.status, e.reason.split(":")[0]) for e in report.kept] == [
         (Status.LIVE, "held by 1 process(es)")
     ]
     assert path.exists()
-    reap_now(root, vouched)
+    reap_now(root)
 
 
-def test_only_what_the_plan_listed_is_removed(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+def test_only_what_the_plan_listed_is_removed(root: Path, engine_id: str) -> None:
     first = leave_orphan(root, engine_id)
-    plan = reap_now(root, vouched, dry_run=True)
+    plan = reap_now(root, dry_run=True)
     second = leave_orphan(root, engine_id + "-later")
-    assert names(reap_now(root, vouched, only=plan).removed) == [first.name]
+    assert names(reap_now(root, only=plan).removed) == [first.name]
     assert second.exists()
-    reap_now(root, vouched)
+    reap_now(root)
 
 
 def test_a_reaper_looping_against_a_process_that_creates_and_attaches_never_removes_a_live_region(
-    root: Path, vouched: frozenset[int]
+    root: Path,
 ) -> None:
     creator = churn(root, seconds=2.0)
     removed = 0
     try:
         while creator.poll() is None:
-            removed += len(reap_now(root, vouched).removed)
+            removed += len(reap_now(root).removed)
         out, err = creator.communicate(timeout=30)
     finally:
         if creator.poll() is None:
@@ -260,6 +240,6 @@ def test_a_reaper_looping_against_a_process_that_creates_and_attaches_never_remo
     result = json.loads(out)
     assert result["violations"] == []
     assert result["iterations"] > 10
-    removed += len(reap_now(root, vouched).removed)  # the creator is gone: all that is left is orphaned
+    removed += len(reap_now(root).removed)  # the creator is gone: all that is left is orphaned
     assert removed == result["orphans"]
     assert os.listdir(root) == []

@@ -30,26 +30,22 @@ from tests.procs import (
 )
 
 
-def judge(root: Path, vouched: frozenset[int], *, all_users: bool = False) -> ScanReport:
-    return scan(root, grace_s=0, assume_not_holding=vouched, all_users=all_users)
+def judge(root: Path, *, all_users: bool = False) -> ScanReport:
+    return scan(root, grace_s=0, all_users=all_users)
 
 
-def test_a_sigkilled_vllm_creator_leaves_an_orphan(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_a_sigkilled_vllm_creator_leaves_an_orphan(root: Path, engine_id: str) -> None:
     path = leave_orphan(root, engine_id)
-    e = entry(judge(root, vouched), path.name)
+    e = entry(judge(root), path.name)
     assert (e.status, e.reason) == (Status.ORPHANED, NOBODY)
     assert (e.engine_id, e.segment, e.holders, e.owner, e.lock_held) == (engine_id, 0, (), None, False)
     assert (e.lease, e.lease_error, e.decided_by) == (LeaseState.FREE, None, Evidence.LEASE)
 
 
-def test_a_running_vllm_creator_keeps_its_file_live(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_a_running_vllm_creator_keeps_its_file_live(root: Path, engine_id: str) -> None:
     path = region_path(root, engine_id)
     with Child("vllm", path) as child:
-        e = entry(judge(root, vouched), path.name)
+        e = entry(judge(root), path.name)
     assert e.status is Status.LIVE
     assert e.reason.startswith(f"held by 1 process(es): {child.pid}:")
     assert [(h.pid, h.via) for h in e.holders] == [(child.pid, ("fd", "map"))]
@@ -57,21 +53,21 @@ def test_a_running_vllm_creator_keeps_its_file_live(
 
 @pytest.mark.parametrize("mode", ["map-only", "fd-only"])
 def test_a_process_that_only_maps_or_only_opens_the_file_keeps_it_live(
-    root: Path, engine_id: str, vouched: frozenset[int], mode: str
+    root: Path, engine_id: str, mode: str
 ) -> None:
     path = leave_orphan(root, engine_id)
     with Child(mode, path):
-        assert entry(judge(root, vouched), path.name).status is Status.LIVE
-    assert entry(judge(root, vouched), path.name).status is Status.ORPHANED
+        assert entry(judge(root), path.name).status is Status.LIVE
+    assert entry(judge(root), path.name).status is Status.ORPHANED
 
 
 def test_a_kvoffload_region_is_live_by_lock_and_orphaned_once_its_owner_is_killed(
-    root: Path, engine_id: str, vouched: frozenset[int]
+    root: Path, engine_id: str
 ) -> None:
     path = region_path(root, engine_id)
     child = Child("region", path)
     try:
-        live = entry(judge(root, vouched), path.name)
+        live = entry(judge(root), path.name)
         assert live.status is Status.LIVE
         assert live.lock_held is True
         assert [(h.pid, h.via) for h in live.holders] == [(child.pid, ("fd", "map", "lock"))]
@@ -79,7 +75,7 @@ def test_a_kvoffload_region_is_live_by_lock_and_orphaned_once_its_owner_is_kille
         assert (live.owner.pid, live.owner.alive) == (child.pid, True)
     finally:
         child.kill()
-    dead = entry(judge(root, vouched), path.name)
+    dead = entry(judge(root), path.name)
     assert dead.status is Status.ORPHANED
     assert dead.reason == f"{NOBODY}; owner pid {child.pid} has exited"
     assert dead.owner is not None
@@ -87,9 +83,7 @@ def test_a_kvoffload_region_is_live_by_lock_and_orphaned_once_its_owner_is_kille
     assert dead.lock_held is False
 
 
-def test_a_live_process_reusing_a_dead_owners_pid_is_not_the_owner(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_a_live_process_reusing_a_dead_owners_pid_is_not_the_owner(root: Path, engine_id: str) -> None:
     held = region_path(root, engine_id)
     ghost = write_file(region_path(root, engine_id + "-ghost"))
     with Child("vllm", held) as child:
@@ -103,7 +97,7 @@ def test_a_live_process_reusing_a_dead_owners_pid_is_not_the_owner(
             fd = os.open(path, os.O_RDONLY)
             assert owner.write_owner(fd, forged)
             os.close(fd)
-        report = judge(root, vouched)
+        report = judge(root)
         live, orphan = entry(report, held.name), entry(report, ghost.name)
     assert live.status is Status.LIVE
     assert live.owner is not None
@@ -113,94 +107,86 @@ def test_a_live_process_reusing_a_dead_owners_pid_is_not_the_owner(
     held.unlink()
 
 
-def test_segments_follow_their_base_file(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+def test_segments_follow_their_base_file(root: Path, engine_id: str) -> None:
     base = write_file(region_path(root, engine_id))
     segment = write_file(region_path(root, engine_id, 2))
     with Child("map-only", segment) as child:  # vLLM maps segments and closes their fds
-        report = judge(root, vouched)
+        report = judge(root)
         b, s = entry(report, base.name), entry(report, segment.name)
     assert b.status is s.status is Status.LIVE
     assert b.holders == ()
     assert [h.pid for h in s.holders] == [child.pid]
     assert s.reason.startswith("follows its base file: held by 1 process(es)")
-    report = judge(root, vouched)
+    report = judge(root)
     assert {e.status for e in report.entries} == {Status.ORPHANED}
     assert entry(report, segment.name).segment == 2
 
 
-def test_segments_without_their_base_are_judged_together(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_segments_without_their_base_are_judged_together(root: Path, engine_id: str) -> None:
     write_file(region_path(root, engine_id, 1))
     write_file(region_path(root, engine_id, 2))
-    report = judge(root, vouched)
+    report = judge(root)
     assert [e.status for e in report.entries] == [Status.ORPHANED, Status.ORPHANED]
     assert report.entries[0].reason == f"segment without its base file; {NOBODY}"
 
 
 def test_an_empty_base_file_without_holder_is_an_orphan_of_a_failed_creator(
-    root: Path, engine_id: str, vouched: frozenset[int]
+    root: Path, engine_id: str
 ) -> None:
     path = write_file(region_path(root, engine_id), size=0, touch=0)
-    e = entry(judge(root, vouched), path.name)
+    e = entry(judge(root), path.name)
     assert e.status is Status.ORPHANED
     assert "creator died before sizing it" in e.reason
 
 
-def test_a_file_younger_than_the_grace_period_is_starting(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_a_file_younger_than_the_grace_period_is_starting(root: Path, engine_id: str) -> None:
     path = write_file(region_path(root, engine_id))
-    e = entry(scan(root, grace_s=30, assume_not_holding=vouched), path.name)
+    e = entry(scan(root, grace_s=30), path.name)
     assert e.status is Status.STARTING
     assert "within the 30s grace period" in e.reason
-    later = scan(root, grace_s=30, assume_not_holding=vouched, now=time.time() + 31)
+    later = scan(root, grace_s=30, now=time.time() + 31)
     assert entry(later, path.name).status is Status.ORPHANED
 
 
-def test_age_is_never_evidence_of_death(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+def test_age_is_never_evidence_of_death(root: Path, engine_id: str) -> None:
     path = region_path(root, engine_id)
     with Child("vllm", path):
         os.utime(path, (0, 0))  # mtime in 1970
-        e = entry(
-            scan(root, grace_s=30, assume_not_holding=vouched, now=time.time() + 86400 * 365), path.name
-        )
+        e = entry(scan(root, grace_s=30, now=time.time() + 86400 * 365), path.name)
         assert e.status is Status.LIVE
     path.unlink()
 
 
-def test_sizes_are_apparent_and_resident(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+def test_sizes_are_apparent_and_resident(root: Path, engine_id: str) -> None:
     path = write_file(region_path(root, engine_id), size=1 << 20, touch=2)
-    e = entry(judge(root, vouched), path.name)
+    e = entry(judge(root), path.name)
     assert (e.size_bytes, e.resident_bytes) == (1 << 20, 2 * 4096)
-    assert judge(root, vouched).summary.orphaned_resident_bytes == 2 * 4096
+    assert judge(root).summary.orphaned_resident_bytes == 2 * 4096
 
 
-def test_only_region_names_are_listed(root: Path, engine_id: str, vouched: frozenset[int]) -> None:
+def test_only_region_names_are_listed(root: Path, engine_id: str) -> None:
     for name in (f"vllm_ec_{engine_id}.mmap", f"vllm_offload_{engine_id}.tmp", "torch_1234", "x.mmap"):
         write_file(root / name)
     legacy = write_file(root / "vllm_offload_1716230400123456789_dp1.mmap")
     hisparse = write_file(root / "vllm_offload_hisparse_1716230400123456789_dp0_dp1.mmap")
-    report = judge(root, vouched)
+    report = judge(root)
     assert [e.name for e in report.entries] == [legacy.name, hisparse.name]
 
 
 def test_a_symlink_with_a_region_name_is_skipped_and_never_followed(
-    root: Path, engine_id: str, vouched: frozenset[int], victim: Path
+    root: Path, engine_id: str, victim: Path
 ) -> None:
     link = region_path(root, engine_id)
     link.symlink_to(victim)
-    e = entry(judge(root, vouched), link.name)
+    e = entry(judge(root), link.name)
     assert (e.status, e.reason, e.kind) == (Status.SKIPPED, "symlink: never followed", "symlink")
     assert e.ino == os.lstat(link).st_ino
 
 
-def test_a_hard_linked_file_is_skipped(
-    root: Path, engine_id: str, vouched: frozenset[int], victim: Path
-) -> None:
+def test_a_hard_linked_file_is_skipped(root: Path, engine_id: str, victim: Path) -> None:
     link = region_path(root, engine_id)
     os.link(victim, link)
-    e = entry(judge(root, vouched), link.name)
+    e = entry(judge(root), link.name)
     assert (e.status, e.reason) == (Status.SKIPPED, "2 hard links: another name shares this inode")
 
 
@@ -209,34 +195,30 @@ def test_a_hard_linked_file_is_skipped(
     [(os.mkfifo, "fifo"), (os.mkdir, "directory")],
 )
 def test_non_regular_files_are_skipped(
-    root: Path, engine_id: str, vouched: frozenset[int], make: Callable[[Path], None], kind: str
+    root: Path, engine_id: str, make: Callable[[Path], None], kind: str
 ) -> None:
     path = region_path(root, engine_id)
     make(path)
-    e = entry(judge(root, vouched), path.name)
+    e = entry(judge(root), path.name)
     assert (e.status, e.reason) == (Status.SKIPPED, f"{kind}: not a region file")
 
 
 @pytest.mark.root
-def test_another_users_file_is_skipped_unless_all_users(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_another_users_file_is_skipped_unless_all_users(root: Path, engine_id: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to chown a file to uid 65534")
     path = write_file(region_path(root, engine_id))
     os.chown(path, 65534, 65534)
-    e = entry(judge(root, vouched), path.name)
+    e = entry(judge(root), path.name)
     assert e.status is Status.SKIPPED
     assert e.reason == "owned by uid 65534, not you (root can judge it with --all-users)"
-    assert entry(judge(root, vouched, all_users=True), path.name).status is Status.ORPHANED
+    assert entry(judge(root, all_users=True), path.name).status is Status.ORPHANED
 
 
-def test_a_skipped_base_makes_its_segments_skipped(
-    root: Path, engine_id: str, vouched: frozenset[int], victim: Path
-) -> None:
+def test_a_skipped_base_makes_its_segments_skipped(root: Path, engine_id: str, victim: Path) -> None:
     region_path(root, engine_id).symlink_to(victim)
     segment = write_file(region_path(root, engine_id, 1))
-    e = entry(judge(root, vouched), segment.name)
+    e = entry(judge(root), segment.name)
     base = region_path(root, engine_id).name
     assert (e.status, e.reason) == (
         Status.SKIPPED,
@@ -414,7 +396,7 @@ def test_a_lock_held_from_a_pid_namespace_we_cannot_see_keeps_the_region_live(
 
 @pytest.mark.root
 def test_the_region_of_an_owner_in_another_pid_namespace_is_proven_dead_by_its_free_lock(
-    root: Path, engine_id: str, vouched: frozenset[int]
+    root: Path, engine_id: str
 ) -> None:
     if not unshare_available():
         pytest.skip("needs root and unshare(1) to create a region from another PID namespace")
@@ -423,7 +405,7 @@ def test_the_region_of_an_owner_in_another_pid_namespace_is_proven_dead_by_its_f
     Child("region", path, prefix=(*IN_OWN_PID_NS, "--kill-child")).kill()
     deadline = time.monotonic() + 10
     while True:
-        e = entry(judge(root, vouched), path.name)
+        e = entry(judge(root), path.name)
         if e.holders == () or time.monotonic() > deadline:
             break
         time.sleep(0.01)
@@ -434,13 +416,11 @@ def test_the_region_of_an_owner_in_another_pid_namespace_is_proven_dead_by_its_f
 
 
 @pytest.mark.root
-def test_a_region_held_in_another_pid_namespace_is_live_by_its_lock(
-    root: Path, engine_id: str, vouched: frozenset[int]
-) -> None:
+def test_a_region_held_in_another_pid_namespace_is_live_by_its_lock(root: Path, engine_id: str) -> None:
     if not unshare_available():
         pytest.skip("needs root and unshare(1) to create a region from another PID namespace")
     path = region_path(root, engine_id)
     with Child("region", path, prefix=(*IN_OWN_PID_NS, "--kill-child")):
-        e = entry(judge(root, vouched), path.name)
+        e = entry(judge(root), path.name)
     assert e.status is Status.LIVE
     assert e.lock_held is True
