@@ -28,7 +28,10 @@ removed it is proven again (anchors D5), with every file of the group:
       leased and checked once more, then its private name is unlinked. Any sign of an opener
       at c, d or e keeps the file and gives its name back (the opener gets the file it asked
       for, intact: "raced with an opener"). A reaper that dies meanwhile leaves one file under
-      a region-pattern name, which a later reap judges like any other.
+      a region-pattern name, which a later reap judges like any other. What no check can see
+      is an opener that resolved the name before the rename and is then kept off the CPU,
+      before it counts itself among the inode's opens, for longer than that wait: Linux has
+      no unlink-by-inode, and such an opener gets the removed file.
 
    Where no lease could be taken, a fresh ``/proc`` pass restricted to the locked inodes
    (one per batch of regions, see ``RECHECK_BATCH_FILES``) must show no holder and no
