@@ -251,12 +251,12 @@ def _reap(
     return removed, kept
 
 
-_Locked = list[tuple[ScanEntry, int, int]]  # entry, fd holding LOCK_EX, st_mode
+_Locked = list[tuple[ScanEntry, int]]  # entry, fd holding LOCK_EX
 
 
 def _leased(locked: _Locked) -> bool:
     """Was every file of the region proven free by its lease in the scan?"""
-    return all(e.lease is LeaseState.FREE for e, _, _ in locked)
+    return all(e.lease is LeaseState.FREE for e, _ in locked)
 
 
 def _reap_batch(
@@ -282,8 +282,8 @@ def _reap_batch(
             # Step 4, without a lease: who holds these inodes right now? Our lock fds do not count.
             index = collect_holders(
                 proc_root,
-                inodes=[e.identity for g in unleased for e, _, _ in g],
-                ignore_fds={os.getpid(): [fd for g in unleased for _, fd, _ in g]},
+                inodes=[e.identity for g in unleased for e, _ in g],
+                ignore_fds={os.getpid(): [fd for g in unleased for _, fd in g]},
                 deleted=False,
                 locks=False,  # we hold LOCK_EX on every one of these files
             )
@@ -292,15 +292,14 @@ def _reap_batch(
         spoiled: dict[str, Status] = {}
         for locked in locked_groups:
             leased = _leased(locked)
+            verdict = None
             if not leased:
                 assert index is not None  # built above for every unleased region
                 verdict = _still_dead(locked, index, assume_not_holding)
-            else:
-                verdict = _lease_refused(locked)
             if verdict is not None:
-                kept.extend(_kept(e, verdict[0], f"kept: {verdict[1]}") for e, _, _ in locked)
+                kept.extend(_kept(e, verdict[0], f"kept: {verdict[1]}") for e, _ in locked)
                 continue
-            for e, fd, _ in locked:
+            for e, fd in locked:
                 if e.engine_id in spoiled:
                     kept.append(_kept(e, spoiled[e.engine_id], _REGION_KEPT))
                     continue
@@ -354,7 +353,7 @@ def _lock_group(
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return _keep_region(members, gone, kept, Status.LIVE, f"{e.name}: lock held")
-            locked.append((e, fd, st.st_mode))
+            locked.append((e, fd))
         batch_locks.enter_context(locks.pop_all())
     kept.extend(gone)
     return locked
@@ -373,7 +372,7 @@ def _still_dead(
     locked: _Locked, index: HolderIndex, assume_not_holding: frozenset[int]
 ) -> tuple[Status, str] | None:
     """None if nobody holds any file of the region now; else the verdict that keeps it."""
-    for e, _, _ in locked:
+    for e, _ in locked:
         holders = index.holders_of(*e.identity)
         if holders:
             shown = ", ".join(f"{h.pid}:{h.name}" for h in holders[:3])
@@ -381,16 +380,6 @@ def _still_dead(
     blind = index.blind_spots(assume_not_holding)
     if blind:
         return Status.UNKNOWN, f"cannot inspect {blind[0].describe()}; liveness unproven"
-    return None
-
-
-def _lease_refused(locked: _Locked) -> tuple[Status, str] | None:
-    """Step 4a for the whole region before any file goes: a file someone opened since the scan
-    keeps every file of it (each lease is taken and given back at once)."""
-    for e, fd, _ in locked:
-        answer = lease.probe(fd, e.uid, os.geteuid())
-        if not answer.free:
-            return Status.LIVE if answer.held else Status.UNKNOWN, f"{e.name}: {_lease_refusal(answer)}"
     return None
 
 

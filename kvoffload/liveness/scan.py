@@ -470,7 +470,6 @@ def _judge_group(
     evidence = [
         FileEvidence(
             name=m.name,
-            st=m.st,
             holders=index.holders_of(m.st.st_dev, m.st.st_ino),
             lock_held=probes[m.name].lock_held,
             lease=probes[m.name].lease,

@@ -62,7 +62,6 @@ class FileEvidence:
     """What each source said about one file of a region."""
 
     name: str
-    st: os.stat_result
     holders: tuple[Holder, ...]
     lock_held: bool | None
     lease: LeaseProbe
