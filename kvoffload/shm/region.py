@@ -143,14 +143,16 @@ def _populate_write_supported(mm: mmap.mmap) -> bool:
 
 
 def _touch_pages(mm: mmap.mmap, start: int, length: int) -> None:
-    """Fault pages in by rewriting one byte per page with itself (content preserved)."""
-    import numpy as np
+    """Fault pages in by rewriting one byte per page with itself (content preserved).
 
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    try:
-        arr[start : start + length : PAGESIZE] |= 0
-    finally:
-        del arr
+    A plain loop through a memoryview: the page faults cost ~30x the loop (256 MiB on tmpfs:
+    ~260 ms either way, the loop alone 8 ms), so numpy bought nothing here but a 73 MB
+    dependency on the CLI's install. One byte at a time keeps the read-to-write window per page
+    as short as numpy's ``|= 0`` did.
+    """
+    with memoryview(mm) as view:
+        for offset in range(start, start + length, PAGESIZE):
+            view[offset] = view[offset]
 
 
 def merge_ranges(ranges: Iterator[tuple[int, int]]) -> list[tuple[int, int]]:
