@@ -3,12 +3,16 @@
 With ``--textfile DIR`` the metrics go to ``DIR/shmctl.prom`` atomically (temp file +
 rename), for node_exporter's textfile collector. Exit status: 0 written, 2 usage, 3 the
 root or the directory cannot be used. Orphans are data here, not a failure.
+
+A root that cannot be read still gets an exposition (``shmctl_scan_success 0`` and the
+error), written before the exit 3: the textfile of the last good run must not outlive it
+and keep vouching for a root nobody can read.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -20,6 +24,9 @@ from shmctl.commands.scan import (
     RootOption,
 )
 
+if TYPE_CHECKING:
+    from shmctl.render.metrics import DiskUsage
+
 
 def metrics(
     root: RootOption = DEFAULT_ROOT,
@@ -27,33 +34,60 @@ def metrics(
     all_users: AllUsersOption = False,
     assume_not_holding: AssumeOption = None,
     no_lease: NoLeaseOption = False,
+    top_engines: Annotated[
+        int,
+        typer.Option(
+            "--top-engines",
+            min=0,
+            metavar="N",
+            help='Orphaned engines exported by engine_id, largest first; the rest are summed as "other".',
+        ),
+    ] = 10,
     textfile: Annotated[
         Path | None,
         typer.Option("--textfile", metavar="DIR", help="Write DIR/shmctl.prom atomically instead of stdout."),
     ] = None,
 ) -> None:
-    """Export region counts and bytes per status, mapped-but-deleted bytes and blind spots."""
-    import shutil
+    """Export region counts and bytes per status, orphaned bytes per engine, blind spots and scan health."""
     import time
 
     from kvoffload.durations import parse_duration
+    from kvoffload.errors import RootError
     from kvoffload.liveness.scan import scan
     from shmctl.render import metrics as render
 
+    grace_s = parse_duration(grace, option="--grace")
+    if textfile is not None:
+        render.check_textfile_directory(textfile)
+    exposition = render.Exposition(top_engines=top_engines)
     started = time.monotonic()
-    report = scan(
-        root,
-        grace_s=parse_duration(grace, option="--grace"),
-        all_users=all_users,
-        assume_not_holding=frozenset(assume_not_holding or ()),
-        use_lease=not no_lease,
-    )
-    usage = shutil.disk_usage(root)
-    text = render.prometheus_text(report, usage, scan_seconds=time.monotonic() - started)
-    if textfile is None:
-        render.print_text(text)
-    else:
-        render.write_textfile(textfile, text)
+    try:
+        report = scan(
+            root,
+            grace_s=grace_s,
+            all_users=all_users,
+            assume_not_holding=frozenset(assume_not_holding or ()),
+            use_lease=not no_lease,
+        )
+        usage = _disk_usage(root)
+    except RootError as error:
+        carried = None if textfile is None else render.previous_success(textfile, root)
+        exposition.add_failure(root, error, attempted_at=time.time(), last_success=carried)
+        render.publish(exposition, textfile)
+        raise  # the one-line error and exit 3, from shmctl.app
+    exposition.add_scan(report, usage, scan_seconds=time.monotonic() - started)
+    render.publish(exposition, textfile)
+
+
+def _disk_usage(root: Path) -> DiskUsage:
+    import shutil
+
+    from kvoffload.errors import RootError
+
+    try:
+        return shutil.disk_usage(root)
+    except OSError as e:  # removed or unmounted since the scan opened it
+        raise RootError(root, f"cannot read its filesystem's size: {e.strerror or e}") from None
 
 
 def register(app: typer.Typer) -> None:

@@ -1,17 +1,48 @@
-"""Prometheus text exposition of a ``ScanReport`` (node_exporter textfile format)."""
+"""Prometheus exposition of scans (node_exporter's textfile format), written by prometheus-client.
+
+An ``Exposition`` is one scrape's worth of metrics in a fresh ``CollectorRegistry`` of its own:
+never the client's global registry, so no process or platform collector gets into the file.
+``add_scan`` adds one root's series and may be called once per root (a fleet process exports
+several roots in one file); ``add_failure`` stands in for a root that could not be read;
+``add_reaps`` exports the counters that a long-running process keeps in ``ReapCounters``
+across passes.
+
+Values are exact: the client writes every number with ``repr`` (Go's exponent form from 1e6
+on, as node_exporter does), so sizes keep every byte below 2**53 and ``time.time()`` keeps
+every digit: ``1.7961079161234567e+09``, never ``:g``'s six significant digits.
+
+Label values are the scan's own text: engine ids and roots come from file names, and the
+client escapes ``\\``, ``"`` and newlines. A name that is not UTF-8 (lone surrogates from
+``os.listdir``) is written with ``\\udcXX`` escapes, as ``scan --json`` writes it.
+
+This module imports prometheus_client; only the metrics code paths import this module, so
+``shmctl --help`` and shell completion never load it.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from prometheus_client import CollectorRegistry, generate_latest, write_to_textfile
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import RootError
 from kvoffload.liveness.scan import ScanReport, Status
 
+if TYPE_CHECKING:
+    from kvoffload.liveness.reap import ReapReport
+
 FILENAME = "shmctl.prom"
+DEFAULT_TOP_ENGINES = 10
+#: The engine_id of the series that sums every orphaned engine not exported by name.
+OTHER_ENGINES = "other"
+LAST_SUCCESS = "shmctl_last_success_timestamp_seconds"
 
 
 class DiskUsage(Protocol):
@@ -24,107 +55,275 @@ class DiskUsage(Protocol):
     def free(self) -> int: ...
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+@dataclass(slots=True)
+class ReapCounters:
+    """Files and bytes reaped per root since this process started (Prometheus counters).
+
+    A counter means something only in a process that outlives its passes (``shmctl watch``):
+    Prometheus reads a drop to zero as a restart. The one-shot ``metrics`` command reaps
+    nothing and keeps none, so it exports none: a counter written as 0 on every run would
+    claim that nothing was reaped while a cron ``shmctl reap`` frees gigabytes.
+    """
+
+    files: dict[str, int] = field(default_factory=dict)
+    resident_bytes: dict[str, int] = field(default_factory=dict)
+
+    def record(self, report: ReapReport) -> None:
+        """Count one reap pass; a dry run removed nothing, but its root's series start at 0."""
+        root = label_text(str(report.root))
+        removed = 0 if report.dry_run else len(report.removed)
+        freed = 0 if report.dry_run else report.freed_bytes
+        self.files[root] = self.files.get(root, 0) + removed
+        self.resident_bytes[root] = self.resident_bytes.get(root, 0) + freed
 
 
-def _number(value: float) -> str:
-    """Exact: integers as integers, floats with every digit (repr), never ``:g``'s six."""
-    if isinstance(value, int) or float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
+class Exposition:
+    """The families of one exposition, in output order; empty families are left out."""
+
+    def __init__(self, *, top_engines: int = DEFAULT_TOP_ENGINES, version: str | None = None) -> None:
+        if top_engines < 0:
+            raise ValueError(f"top_engines must not be negative, got {top_engines}")
+        self.top_engines = top_engines
+        self.build_info = InfoMetricFamily(
+            "shmctl_build", "shmctl's version, as the label version; the value is always 1."
+        )
+        self.build_info.add_metric([], {"version": build_version() if version is None else version})
+        self.scan_success = _gauge(
+            "shmctl_scan_success",
+            "1 if the root was scanned, 0 if it could not be read (see shmctl_scan_error_info); "
+            "after a 0 the root's other series are absent, not stale.",
+        )
+        self.scan_error = InfoMetricFamily(
+            "shmctl_scan_error",
+            "Why the root could not be read, as the label error; present only while "
+            "shmctl_scan_success is 0. The value is always 1.",
+            labels=["root"],
+        )
+        self.last_run = _gauge(
+            "shmctl_last_run_timestamp_seconds",
+            "When shmctl last tried to scan the root, successfully or not, in unix seconds.",
+        )
+        self.last_success = _gauge(
+            LAST_SUCCESS,
+            "When the root was last scanned successfully, in unix seconds. A failed run carries "
+            "it over from the textfile it replaces (absent when there is none).",
+        )
+        self.scan_duration = _gauge("shmctl_scan_duration_seconds", "How long the scan took, in seconds.")
+        self.regions = _gauge(
+            "shmctl_regions",
+            "Region files (bases and segments) in the root, by verdict.",
+            "status",
+        )
+        self.region_resident = _gauge(
+            "shmctl_region_resident_bytes",
+            "Memory the region files pin (st_blocks*512), in bytes, by verdict.",
+            "status",
+        )
+        self.orphan = _gauge(
+            "shmctl_orphan_bytes",
+            "Memory that orphaned region files pin, in bytes: what `shmctl reap` would free.",
+        )
+        self.orphan_engine = _gauge(
+            "shmctl_orphan_engine_bytes",
+            "shmctl_orphan_bytes per engine, in bytes: the largest engines by engine_id, the rest "
+            'summed as engine_id="other".',
+            "engine_id",
+        )
+        self.unlinked_mapped = _gauge(
+            "shmctl_unlinked_mapped_bytes",
+            "Bytes of unlinked region files of the root's filesystem still mapped or open "
+            "(freed when their processes exit).",
+        )
+        self.uninspected = _gauge(
+            "shmctl_uninspected_processes",
+            "Processes whose fds or maps could not be read, vouched-for ones included "
+            "(where no lease can be taken, the regions they might hold stay unknown).",
+        )
+        self.root_size = _gauge("shmctl_root_size_bytes", "Size of the root's filesystem, in bytes.")
+        self.root_free = _gauge(
+            "shmctl_root_free_bytes",
+            "Bytes of the root's filesystem free for unprivileged users (statvfs f_bavail*f_frsize).",
+        )
+        self.reaped_files = CounterMetricFamily(
+            "shmctl_reaped_files",
+            "Region files removed by reap since this process started (long-running modes only).",
+            labels=["root"],
+        )
+        self.reaped_bytes = CounterMetricFamily(
+            "shmctl_reaped_bytes",
+            "Memory freed by reap since this process started, in bytes (st_blocks*512 of the "
+            "removed files; long-running modes only).",
+            labels=["root"],
+        )
+        self._families: tuple[Metric, ...] = (
+            self.build_info,
+            self.scan_success,
+            self.scan_error,
+            self.last_run,
+            self.last_success,
+            self.scan_duration,
+            self.regions,
+            self.region_resident,
+            self.orphan,
+            self.orphan_engine,
+            self.unlinked_mapped,
+            self.uninspected,
+            self.root_size,
+            self.root_free,
+            self.reaped_files,
+            self.reaped_bytes,
+        )
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def collect(self) -> Iterable[Metric]:
+        # A family with no sample (the reap counters of a one-shot run, a failed root's
+        # gauges) would still print its HELP and TYPE lines: leave it out.
+        return [family for family in self._families if family.samples]
+
+    def add_scan(self, report: ScanReport, usage: DiskUsage, *, scan_seconds: float) -> None:
+        """Every series of one scanned root."""
+        root = label_text(str(report.root))
+        self.scan_success.add_metric([root], 1)
+        self.last_run.add_metric([root], report.scanned_at)
+        self.last_success.add_metric([root], report.scanned_at)
+        self.scan_duration.add_metric([root], scan_seconds)
+        for status in Status:
+            entries = report.with_status(status)
+            self.regions.add_metric([root, status.value], len(entries))
+            self.region_resident.add_metric([root, status.value], sum(e.resident_bytes for e in entries))
+        self.orphan.add_metric([root], report.summary.orphaned_resident_bytes)
+        for engine_id, resident in orphan_bytes_by_engine(report, self.top_engines):
+            self.orphan_engine.add_metric([root, engine_id], resident)
+        self.unlinked_mapped.add_metric([root], sum(d.mapped_bytes for d in report.deleted))
+        self.uninspected.add_metric([root], len(report.uninspected))
+        self.root_size.add_metric([root], usage.total)
+        self.root_free.add_metric([root], usage.free)
+
+    def add_failure(
+        self, root: Path, error: RootError, *, attempted_at: float, last_success: float | None
+    ) -> None:
+        """A root that could not be read: success 0, the error, and no figure that could be stale."""
+        label = label_text(str(root))
+        self.scan_success.add_metric([label], 0)
+        # The root is its own label; the error label is the problem (a handful of texts per root).
+        problem = error.message.removeprefix(f"{error.root}: ")
+        self.scan_error.add_metric([label], {"error": label_text(problem)})
+        self.last_run.add_metric([label], attempted_at)
+        if last_success is not None:
+            self.last_success.add_metric([label], last_success)
+
+    def add_reaps(self, counters: ReapCounters) -> None:
+        for root, files in counters.files.items():
+            self.reaped_files.add_metric([root], files)
+        for root, freed in counters.resident_bytes.items():
+            self.reaped_bytes.add_metric([root], freed)
+
+    def text(self) -> bytes:
+        """The exposition in Prometheus' text format (UTF-8)."""
+        return generate_latest(self.registry)
 
 
-def prometheus_text(report: ScanReport, usage: DiskUsage, *, scan_seconds: float) -> str:
-    root = _label(str(report.root))
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            text = _number(value)
-            lines.append(f"{name}{{{labels}}} {text}" if labels else f"{name} {text}")
-
-    per_status = {s: [e for e in report.entries if e.status is s] for s in Status}
-    metric(
-        "shmctl_regions",
-        "gauge",
-        "Region files (base and segments) in the shm root, by verdict.",
-        [(f'root="{root}",status="{s.value}"', len(es)) for s, es in per_status.items()],
-    )
-    metric(
-        "shmctl_region_resident_bytes",
-        "gauge",
-        "Memory the region files pin (st_blocks*512), by verdict.",
-        [
-            (f'root="{root}",status="{s.value}"', sum(e.resident_bytes for e in es))
-            for s, es in per_status.items()
-        ],
-    )
-    metric(
-        "shmctl_orphan_bytes",
-        "gauge",
-        "Resident bytes of orphaned regions: what `shmctl reap` would free.",
-        [(f'root="{root}"', report.summary.orphaned_resident_bytes)],
-    )
-    metric(
-        "shmctl_unlinked_mapped_bytes",
-        "gauge",
-        "Bytes of unlinked region files still mapped by some process (freed when it exits).",
-        [(f'root="{root}"', sum(d.mapped_bytes for d in report.deleted))],
-    )
-    metric(
-        "shmctl_uninspected_processes",
-        "gauge",
-        "Processes whose fds or maps could not be read (their regions stay unknown).",
-        [(f'root="{root}"', len(report.uninspected))],
-    )
-    metric(
-        "shmctl_root_size_bytes",
-        "gauge",
-        "Size of the shm root's filesystem.",
-        [(f'root="{root}"', usage.total)],
-    )
-    metric(
-        "shmctl_root_free_bytes",
-        "gauge",
-        "Free bytes in the shm root's filesystem.",
-        [(f'root="{root}"', usage.free)],
-    )
-    metric("shmctl_scan_duration_seconds", "gauge", "How long the scan took.", [("", scan_seconds)])
-    metric(
-        "shmctl_last_run_timestamp_seconds",
-        "gauge",
-        "When the scan ran (unix time).",
-        [("", report.scanned_at)],
-    )
-    return "\n".join(lines) + "\n"
+def _gauge(name: str, documentation: str, *labels: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, labels=["root", *labels])
 
 
-def print_text(text: str) -> None:
-    sys.stdout.write(text)
+def label_text(value: str) -> str:
+    """``value`` as UTF-8-encodable text: lone surrogates (undecodable name bytes) as ``\\udcXX``."""
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def orphan_bytes_by_engine(report: ScanReport, top: int) -> list[tuple[str, int]]:
+    """The ``top`` engines pinning most orphaned bytes (ties by engine_id), then ``other``.
+
+    The series count stays bounded however many engines leak. ``other`` sums the rest, and
+    is always there, so the series add up to ``shmctl_orphan_bytes``. An engine really named
+    ``other`` is summed into it rather than exported twice under one label set.
+    """
+    per_engine: dict[str, int] = {}
+    for entry in report.with_status(Status.ORPHANED):
+        engine_id = label_text(entry.engine_id)
+        per_engine[engine_id] = per_engine.get(engine_id, 0) + entry.resident_bytes
+    rest = per_engine.pop(OTHER_ENGINES, 0)
+    ranked = sorted(per_engine.items(), key=lambda item: (-item[1], item[0]))
+    rest += sum(resident for _, resident in ranked[top:])
+    return [*ranked[:top], (OTHER_ENGINES, rest)]
+
+
+def build_version() -> str:
+    """The installed distribution's version (``shmctl.__version__`` when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shmctl")
+    except PackageNotFoundError:
+        import shmctl
+
+        return str(getattr(shmctl, "__version__", "unknown"))
+
+
+def previous_success(directory: Path, root: Path) -> float | None:
+    """``shmctl_last_success_timestamp_seconds{root}`` of the textfile this run will replace.
+
+    A one-shot process cannot remember its last good run; the file it wrote can. Anything
+    that is not our readable exposition (missing, unreadable, truncated by hand) carries
+    nothing.
+    """
+    try:
+        text = (directory / FILENAME).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    wanted = label_text(str(root))
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == LAST_SUCCESS and sample.labels.get("root") == wanted:
+                    return float(sample.value)
+    except ValueError:
+        return None
+    return None
+
+
+def check_textfile_directory(directory: Path) -> None:
+    """Refuse a ``--textfile`` that is not a directory before anything is scanned."""
+    if not directory.is_dir():
+        raise RootError(directory, "is not a directory", fix="create the textfile collector directory first")
+
+
+def publish(exposition: Exposition, textfile: Path | None) -> None:
+    """The exposition on stdout, or atomically as ``textfile/shmctl.prom``."""
+    if textfile is None:
+        print_text(exposition.text())
+    else:
+        write_textfile(textfile, exposition)
+
+
+def print_text(data: bytes) -> None:
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:  # a text-only stream (a test's StringIO)
+        sys.stdout.write(data.decode("utf-8"))
+    else:
+        # Bytes as the client encoded them: a non-ASCII label must not depend on the locale.
+        sys.stdout.flush()
+        buffer.write(data)
     sys.stdout.flush()
 
 
-def write_textfile(directory: Path, text: str) -> None:
-    """Write ``directory/shmctl.prom`` atomically: node_exporter never reads half a file."""
-    if not directory.is_dir():
-        raise RootError(directory, "is not a directory", fix="create the textfile collector directory first")
+def write_textfile(directory: Path, exposition: Exposition) -> None:
+    """Write ``directory/shmctl.prom`` atomically: node_exporter never reads half a file.
+
+    ``write_to_textfile`` writes ``shmctl.prom.<pid>.<thread>`` beside the target (same
+    filesystem, so the rename is atomic; the name does not end in ``.prom``, so the collector
+    ignores it) and removes it if writing fails.
+    """
+    path = directory / FILENAME
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".shmctl.prom.", dir=directory)
+        write_to_textfile(str(path), exposition.registry)
+        # node_exporter usually runs as another user, and a root cron job's umask may be 077;
+        # the client has no mode argument, so the mode is set once the file is in place.
+        os.chmod(path, 0o644)
     except OSError as e:
         raise _unwritable(directory, e) from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, directory / FILENAME)
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise _unwritable(directory, e) from None
-        raise
 
 
 def _unwritable(directory: Path, error: OSError) -> RootError:
