@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 import typer.core
@@ -38,6 +38,10 @@ class Interrupted(BaseException):
         return 128 + signal.Signals[self.signal_name].value
 
 
+class _ClosedPipe(BaseException):
+    """Stdout's reader went away; carried past click, which would make it exit 1."""
+
+
 class _Group(typer.core.TyperGroup):
     # Typer turns a KeyboardInterrupt raised inside a command into a silent `Exit(130)`, which
     # standalone_mode=False hands back as a bare 130: Ctrl-C would print nothing. Carried out
@@ -47,6 +51,8 @@ class _Group(typer.core.TyperGroup):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             raise Interrupted() from None
+        except BrokenPipeError:
+            raise _ClosedPipe() from None
 
 
 app = typer.Typer(
@@ -59,8 +65,23 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from shmctl import version
+
+        sys.stdout.write(f"shmctl {version()}\n")
+        raise typer.Exit(ExitStatus.OK)
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    _version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_print_version, help="Print shmctl's version and exit."
+        ),
+    ] = False,
+) -> None:
     """Find, explain and safely reap vLLM KV-offload regions in /dev/shm."""
 
 
@@ -97,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     except KvOffloadError as e:
         error_line(str(e))
         return exit_status_for(e)
+    except (BrokenPipeError, _ClosedPipe):
+        # `shmctl scan | head -1`: the reader has what it wanted. Quietly 0, as for cat;
+        # 1 would read as "findings" and 3 as a failure.
+        _silence_stdout()
+        return ExitStatus.OK
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         error_line(f"{where}{e.strerror or e}")
@@ -124,8 +150,23 @@ def _click_or_crash(error: Exception) -> int:
     raise error
 
 
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null so the interpreter's last flush cannot fail on the closed pipe."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def run() -> None:
-    sys.exit(main())
+    code = main()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        code = ExitStatus.OK if code in (ExitStatus.OK, ExitStatus.FINDINGS) else code
+    sys.exit(code)
 
 
 if __name__ == "__main__":

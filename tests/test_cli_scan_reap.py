@@ -82,18 +82,19 @@ def test_scan_exits_0_when_nothing_is_orphaned(
     assert json.loads(out)["summary"]["starting"] == 1
 
 
-def test_scan_off_a_terminal_prints_plain_lines_and_a_summary(
+def test_scan_off_a_terminal_prints_aligned_columns_and_a_summary(
     root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    orphan = leave_orphan(root, engine_id)
+    leave_orphan(root, engine_id)
     code, out, err = run(capsys, "scan", "--root", str(root), "--grace", "0")
     assert (code, err) == (1, "")
     lines = out.splitlines()
-    assert lines[0].split("\t")[:2] == ["STATUS", "NAME"]
-    assert lines[1].split("\t")[:2] == ["orphaned", orphan.name]
+    assert lines[0].split() == ["STATUS", "ENGINE", "FILES", "SIZE", "RESIDENT", "AGE", "HOLDERS", "REASON"]
+    assert lines[1].split()[:3] == ["orphaned", engine_id, "1"]
+    assert lines[1].index(engine_id) == lines[0].index("ENGINE")
     assert lines[-1].startswith(f"1 region file(s) in {root}: 1 orphaned; orphans pin ")
     assert "\x1b" not in out
-    assert "┃" not in out
+    assert "\t" not in out
 
 
 def test_the_root_comes_from_shmctl_root(
@@ -150,8 +151,10 @@ def test_scan_deleted_lists_unlinked_regions_still_mapped(
         code, out, _ = run(capsys, "scan", "--root", str(root), "--deleted")
         _, doc, _ = run(capsys, "scan", "--root", str(root), "--json")
     assert code == 0
-    assert f"deleted\t{child.pid}\t" in out
-    assert str(path) in out
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["PID", "PROCESS"])
+    row = next(line for line in out.splitlines() if line.split()[:1] == [str(child.pid)])
+    assert header.split() == ["PID", "PROCESS", "MAPPED", "VIA", "PATH"]
+    assert row.endswith(f"  {path}")
     deleted = [d for d in json.loads(doc)["deleted"] if d["pid"] == child.pid]
     assert [(d["path"], d["mapped_bytes"], d["engine_id"]) for d in deleted] == [(str(path), 8192, engine_id)]
 
@@ -205,8 +208,11 @@ def test_reap_text_output_names_each_region_and_the_total(
     orphan = leave_orphan(root, engine_id)
     code, out, _ = run(capsys, "reap", "--root", str(root), "--grace", "0", "-y", "--engine", engine_id)
     assert code == 0
-    assert out.splitlines()[0].split("\t")[:2] == ["removed", orphan.name]
-    assert out.splitlines()[-1].startswith("removed 1 file(s), freed ")
+    lines = out.splitlines()
+    assert lines[0].split() == ["RESULT", "ENGINE", "FILES", "SIZE", "RESIDENT", "REASON"]
+    assert lines[1].split()[:3] == ["removed", engine_id, "1"]
+    assert lines[-1].startswith("removed 1 file(s), freed ")
+    assert not orphan.exists()
 
 
 def test_reap_with_nothing_to_do_says_so(root: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -409,7 +409,7 @@ def test_crash_at_secondary_leaves_the_region_that_scan_calls_orphaned_and_reap_
     found = {e.name: e.status for e in scan(root, grace_s=0, assume_not_holding=uninspectable_pids()).entries}
     assert found == {region_file(config).name: Status.ORPHANED}
     removed = reap(
-        root, grace_s=0, filters=ReapFilter(engine_id=engine_id), assume_not_holding=uninspectable_pids()
+        root, grace_s=0, filters=ReapFilter.exactly(engine_id), assume_not_holding=uninspectable_pids()
     )
     assert [e.path for e in removed.removed] == [region_file(config)]
     assert measure_residue(root, engine_id).paths == ()

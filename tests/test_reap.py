@@ -83,7 +83,7 @@ def test_a_live_holder_keeps_its_file_even_with_a_dead_owners_pid_on_record(
             fd = os.open(path, os.O_RDONLY)
             owner.write_owner(fd, dead_owner)
             os.close(fd)
-        report = reap_now(root, filters=ReapFilter(owner_pid=child.pid))
+        report = reap_now(root, filters=ReapFilter(owner_pids=(child.pid,)))
         assert names(report.removed) == [ghost.name]
         assert held.exists()
     held.unlink()
@@ -94,12 +94,14 @@ def test_filters_select_by_engine_and_dead_owner_pid(root: Path, engine_id: str)
     other = leave_orphan(root, engine_id + "-other")
     record = owner.read_owner(mine)
     assert record is not None
-    assert names(reap_now(root, dry_run=True, filters=ReapFilter(owner_pid=record.pid)).removed) == [
+    assert names(reap_now(root, dry_run=True, filters=ReapFilter(owner_pids=(record.pid,))).removed) == [
         mine.name
     ]
-    assert names(reap_now(root, filters=ReapFilter(engine_id=engine_id + "-other")).removed) == [other.name]
+    assert names(reap_now(root, filters=ReapFilter(engine_ids=(engine_id + "-other",))).removed) == [
+        other.name
+    ]
     assert mine.exists()
-    assert names(reap_now(root, filters=ReapFilter(engine_id=engine_id)).removed) == [mine.name]
+    assert names(reap_now(root, filters=ReapFilter(engine_ids=(engine_id,))).removed) == [mine.name]
 
 
 def test_older_than_is_an_extra_filter_after_liveness(root: Path, engine_id: str) -> None:
@@ -243,3 +245,56 @@ def test_a_reaper_looping_against_a_process_that_creates_and_attaches_never_remo
     removed += len(reap_now(root).removed)  # the creator is gone: all that is left is orphaned
     assert removed == result["orphans"]
     assert os.listdir(root) == []
+
+
+def test_every_engine_filter_counts_and_globs_select_by_pattern(root: Path, engine_id: str) -> None:
+    a, b, c = (leave_orphan(root, f"{engine_id}-{x}") for x in ("a1", "b1", "c1"))
+    both = ReapFilter(engine_ids=(f"{engine_id}-a1", f"{engine_id}-c1"))
+    assert names(reap_now(root, dry_run=True, filters=both).removed) == names([a, c])
+    pattern = ReapFilter(engine_ids=(f"{engine_id}-[ab]*",))
+    assert names(reap_now(root, dry_run=True, filters=pattern).removed) == names([a, b])
+    assert names(reap_now(root, filters=ReapFilter(engine_ids=(f"{engine_id}-*",))).removed) == names(
+        [a, b, c]
+    )
+
+
+def test_an_engine_id_with_glob_characters_is_matched_only_by_itself(root: Path, engine_id: str) -> None:
+    starred = leave_orphan(root, f"{engine_id}-x*")
+    plain = leave_orphan(root, f"{engine_id}-xyz")
+    chosen = reap_now(root, filters=ReapFilter.exactly(f"{engine_id}-x*")).removed
+    assert names(chosen) == [starred.name]
+    assert plain.exists()
+    plain.unlink()
+
+
+def test_filter_values_that_name_no_region_are_reported(root: Path, engine_id: str) -> None:
+    path = leave_orphan(root, engine_id)
+    filters = ReapFilter(engine_ids=(engine_id, "kvtest-nothing-*"), owner_pids=(2**22 + 1,))
+    report = reap_now(root, dry_run=True, filters=filters)
+    assert report.unmatched_filters == ("--engine 'kvtest-nothing-*'", f"--pid {2**22 + 1}")
+    assert report.removed == ()  # the pid condition holds for no region
+    assert names(report.filtered_out) == [path.name]
+    path.unlink()
+
+
+def test_age_and_older_than_count_from_mtime_as_ls_does(root: Path, engine_id: str) -> None:
+    path = leave_orphan(root, engine_id)
+    two_hours_ago = time.time() - 7200
+    os.utime(path, (two_hours_ago, two_hours_ago))  # ctime is now: only mtime is old
+    report = reap_now(root, dry_run=True, filters=ReapFilter(older_than_s=3600))
+    assert names(report.removed) == [path.name]
+    (entry,) = report.removed
+    assert entry.mtime_ns == os.stat(path).st_mtime_ns
+    assert 7200 <= entry.age_s < 7200 + 60
+    path.unlink()
+
+
+def test_the_grace_period_still_sees_a_file_changed_just_now_despite_an_old_mtime(
+    root: Path, engine_id: str
+) -> None:
+    path = leave_orphan(root, engine_id)
+    os.utime(path, (time.time() - 7200,) * 2)
+    report = reap(root, grace_s=60, dry_run=True)
+    assert report.removed == ()
+    assert report.summary.starting == 1
+    path.unlink()

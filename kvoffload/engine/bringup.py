@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import shlex
 import signal
@@ -597,7 +598,9 @@ class _BringUp:
 
 def reap_command(root: Path, engine_id: str) -> str:
     """The ``shmctl reap`` command that removes this engine's orphans, to be pasted into a shell."""
-    return f"shmctl reap --root {shell_word(str(root))} --engine {shell_word(engine_id)} --grace 0 --yes"
+    # --engine takes a glob: an id holding * ? or [ is escaped so it names only itself.
+    engine = shell_word(glob.escape(engine_id))
+    return f"shmctl reap --root {shell_word(str(root))} --engine {engine} --grace 0 --yes"
 
 
 def shell_word(text: str) -> str:

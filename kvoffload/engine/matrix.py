@@ -190,7 +190,7 @@ def _recover(cell: MatrixCell, report: InitReport, vouched: frozenset[int]) -> M
     found = scan(report.root, grace_s=0.0, assume_not_holding=vouched)
     statuses = tuple(str(e.status) for e in found.entries if e.name in ours)
     reaped = reap(
-        report.root, grace_s=0.0, filters=ReapFilter(engine_id=report.engine_id), assume_not_holding=vouched
+        report.root, grace_s=0.0, filters=ReapFilter.exactly(report.engine_id), assume_not_holding=vouched
     )
     after = measure_residue(report.root, report.engine_id)
     # The reap's own reason for a file it chose and then kept; else the scan's verdict.

@@ -51,7 +51,10 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import fnmatch
+import glob
 import os
+import shlex
 import stat
 import time
 import uuid
@@ -96,26 +99,58 @@ _RENAME_NOREPLACE = 1
 
 @dataclass(frozen=True, slots=True)
 class ReapFilter:
-    """Which orphaned regions to remove; all given conditions must hold."""
+    """Which orphaned regions to remove: every given kind of condition must hold.
 
-    engine_id: str | None = None
-    #: Regions whose owner record names this pid, and that pid is dead.
-    owner_pid: int | None = None
-    #: Regions whose youngest file changed at least this long ago.
+    Within a kind, any value may match: ``--engine 'a*' --engine b`` selects both. Engine
+    ids match as shell-style globs (``fnmatchcase``: ``*``, ``?``, ``[...]``; a literal id
+    matches itself), the way operators already select files.
+    """
+
+    engine_ids: tuple[str, ...] = ()
+    #: Regions whose owner record names one of these pids, and that pid is dead.
+    owner_pids: tuple[int, ...] = ()
+    #: Regions whose youngest file's mtime is at least this old (``ls -l``'s age).
     older_than_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.older_than_s is not None and self.older_than_s < 0:
             raise ConfigError("older_than", f"must not be negative, got {self.older_than_s:g}s")
+        for pattern in self.engine_ids:
+            if not pattern:
+                raise ConfigError("--engine", "is empty", fix="pass an engine id or a glob such as 'chat-*'")
+
+    @classmethod
+    def exactly(cls, engine_id: str) -> ReapFilter:
+        """Only the region of ``engine_id``, even where the id holds ``*``, ``?`` or ``[``."""
+        return cls(engine_ids=(glob.escape(engine_id),))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.engine_ids or self.owner_pids or self.older_than_s is not None)
+
+    def matches_engine(self, engine_id: str) -> bool:
+        return not self.engine_ids or any(fnmatch.fnmatchcase(engine_id, p) for p in self.engine_ids)
 
     def selects(self, group: Sequence[ScanEntry]) -> bool:
-        if self.engine_id is not None and group[0].engine_id != self.engine_id:
+        if not self.matches_engine(group[0].engine_id):
             return False
-        if self.owner_pid is not None:
+        if self.owner_pids:
             owners = [e.owner for e in group if e.owner is not None]
-            if not any(o.pid == self.owner_pid and o.alive is False for o in owners):
+            if not any(o.pid in self.owner_pids and o.alive is False for o in owners):
                 return False
         return self.older_than_s is None or min(e.age_s for e in group) >= self.older_than_s
+
+    def unmatched(self, entries: Sequence[ScanEntry]) -> tuple[str, ...]:
+        """Each ``--engine`` or ``--pid`` value that names no region of ``entries`` at all."""
+        engines = {e.engine_id for e in entries}
+        owners = {e.owner.pid for e in entries if e.owner is not None}
+        missing = [
+            f"--engine {shlex.quote(p)}"
+            for p in self.engine_ids
+            if not any(fnmatch.fnmatchcase(engine, p) for engine in engines)
+        ]
+        missing += [f"--pid {pid}" for pid in self.owner_pids if pid not in owners]
+        return tuple(missing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +173,10 @@ class ReapReport:
     unknown: tuple[ScanEntry, ...] = ()
     visibility: Visibility | None = None
     lease_enabled: bool = True
+    #: Orphaned files the filters left out (they stay, and say so).
+    filtered_out: tuple[ScanEntry, ...] = ()
+    #: The ``--engine``/``--pid`` values that named no region in the root at all.
+    unmatched_filters: tuple[str, ...] = ()
 
     @property
     def unknown_resident_bytes(self) -> int:
@@ -183,7 +222,7 @@ def reap(
         proc_root=proc_root,
         now=now,
     )
-    chosen = select(report, filters)
+    chosen = selected = select(report, filters)
     kept: list[ScanEntry] = []
     if only is not None:
         confirmed = {(e.name, e.identity) for e in only.removed}
@@ -220,7 +259,14 @@ def reap(
         unknown=select(report, filters, Status.UNKNOWN),
         visibility=report.visibility,
         lease_enabled=report.lease_enabled,
+        filtered_out=_left_out(report, selected),
+        unmatched_filters=filters.unmatched(report.entries),
     )
+
+
+def _left_out(report: ScanReport, selected: Sequence[ScanEntry]) -> tuple[ScanEntry, ...]:
+    chosen = {e.name for e in selected}
+    return tuple(e for e in report.with_status(Status.ORPHANED) if e.name not in chosen)
 
 
 def _kept(entry: ScanEntry, status: Status, reason: str) -> ScanEntry:

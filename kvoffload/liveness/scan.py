@@ -49,7 +49,15 @@ from kvoffload.liveness.holders import DeletedMapping, Holder, HolderIndex, Unin
 from kvoffload.liveness.lease import LeaseProbe, LeaseState
 from kvoffload.liveness.namespace import Visibility, visibility
 from kvoffload.liveness.ownership import OwnerLiveness, judge_owner
-from kvoffload.liveness.verdict import Evidence, FileEvidence, ScannerView, Status, age_s, decide
+from kvoffload.liveness.verdict import (
+    Evidence,
+    FileEvidence,
+    ScannerView,
+    Status,
+    changed_s,
+    decide,
+    mtime_age_s,
+)
 from kvoffload.shm import names
 from kvoffload.shm.owner import OwnerRecord, inspect_owner
 
@@ -70,7 +78,8 @@ __all__ = [
 DEFAULT_ROOT = Path("/dev/shm")
 DEFAULT_GRACE_S = 30.0
 #: 2: entries gained ``lease``, ``lease_error`` and ``decided_by``; the report ``visibility``.
-SCHEMA_VERSION = 2
+#: 3: ``age_s`` counts from mtime (as ``ls``), unrounded; entries gained ``mtime_ns``.
+SCHEMA_VERSION = 3
 _REMOVED = "removed during the scan"
 _PROBE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 #: Another prober (a concurrent scan or reap) holds its lease for microseconds; an open
@@ -108,6 +117,7 @@ class ScanEntry:
     size_bytes: int
     resident_bytes: int
     uid: int
+    #: Seconds since mtime (``ls -l``'s age); the grace period uses the kernel's ctime too.
     age_s: float
     dev: int
     ino: int
@@ -122,6 +132,8 @@ class ScanEntry:
     lease_error: str | None = None
     #: The evidence that decided the verdict (``verdict.Evidence``).
     decided_by: Evidence = Evidence.FILE
+    #: The file's mtime, exact (``st_mtime_ns``).
+    mtime_ns: int = 0
 
     @property
     def identity(self) -> tuple[int, int]:
@@ -483,7 +495,7 @@ def _judge_group(
         view,
         owner=liveness,
         base_empty=base is not None and base.st.st_size == 0,
-        age=min(age_s(m.st, when) for m in members),
+        age=min(changed_s(m.st, when) for m in members),
         grace_s=grace_s,
     )
     reason = verdict.reason
@@ -553,7 +565,8 @@ def _entry(
         size_bytes=st.st_size if regular else 0,
         resident_bytes=st.st_blocks * 512 if regular else 0,
         uid=st.st_uid,
-        age_s=round(age_s(st, when), 3),
+        age_s=mtime_age_s(st, when),
+        mtime_ns=st.st_mtime_ns,
         dev=st.st_dev,
         ino=st.st_ino,
         nlink=st.st_nlink,

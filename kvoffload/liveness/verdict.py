@@ -86,15 +86,25 @@ class Verdict:
     decided_by: Evidence
 
 
-def age_s(st: os.stat_result, when: float) -> float:
-    """Seconds since the file last changed, never negative, robust to a hand-set future mtime.
+def changed_s(st: os.stat_result, when: float) -> float:
+    """Seconds since the kernel last saw the file change: the grace period's evidence.
 
-    ctime moves on creation, ftruncate, xattr writes and first-touch writes, and only the
-    kernel sets it; mtime is kept in case a filesystem lags. Age only delays a verdict
-    (the grace period); it never proves death.
+    Never negative, robust to a hand-set future mtime. ctime moves on creation, ftruncate,
+    xattr writes and first-touch writes, and only the kernel sets it; mtime is kept in case
+    a filesystem lags. This only delays a verdict (the grace period); it never proves death.
+    It is not the AGE operators see (:func:`mtime_age_s`): ``touch -d`` must not turn a
+    region being created right now into an old one.
     """
     changed = st.st_ctime if st.st_mtime > when + CLOCK_SKEW_S else max(st.st_mtime, st.st_ctime)
     return max(0.0, when - changed)
+
+
+def mtime_age_s(st: os.stat_result, when: float) -> float:
+    """Seconds since the file's mtime, as ``ls -l``, tmpreaper and systemd-tmpfiles count age.
+
+    What AGE shows and ``--older-than`` selects on; 0 for an mtime in the future.
+    """
+    return max(0.0, when - st.st_mtime_ns / 1e9)
 
 
 def decide(

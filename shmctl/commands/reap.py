@@ -14,8 +14,10 @@ from shmctl.commands.scan import (
     DEFAULT_ROOT,
     AllUsersOption,
     AssumeOption,
+    BytesOption,
     GraceOption,
     JsonOption,
+    NoHeadersOption,
     NoLeaseOption,
     RootOption,
 )
@@ -54,23 +56,30 @@ def reap(
     ] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     engine: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
-            "--engine", metavar="ID", help="Only this engine id's region.", autocompletion=_complete_engines
+            "--engine",
+            metavar="ID",
+            help="Only these engines' regions. Repeatable; shell-style globs ('chat-*'; quote them).",
+            autocompletion=_complete_engines,
         ),
     ] = None,
     pid: Annotated[
-        int | None,
-        typer.Option("--pid", metavar="PID", help="Only regions whose recorded owner is this dead pid."),
+        list[int] | None,
+        typer.Option(
+            "--pid", metavar="PID", help="Only regions whose recorded owner is this dead pid. Repeatable."
+        ),
     ] = None,
     older_than: Annotated[
         str | None,
         typer.Option(
             "--older-than",
             metavar="DURATION",
-            help="Only orphans unchanged for this long (an extra filter, never evidence of death).",
+            help="Only orphans whose mtime is this old, as ls shows it (a filter, never evidence of death).",
         ),
     ] = None,
+    exact_bytes: BytesOption = False,
+    no_headers: NoHeadersOption = False,
 ) -> None:
     """Remove orphaned region files (and their segments); live, unknown and starting ones stay."""
     import functools
@@ -93,27 +102,45 @@ def reap(
         root,
         grace_s=parse_duration(grace, option="--grace"),
         filters=library.ReapFilter(
-            engine_id=engine,
-            owner_pid=pid,
+            engine_ids=tuple(engine or ()),
+            owner_pids=tuple(pid or ()),
             older_than_s=None if older_than is None else parse_duration(older_than, option="--older-than"),
         ),
         all_users=all_users,
         assume_not_holding=frozenset(assume_not_holding or ()),
         use_lease=not no_lease,
     )
+    show = functools.partial(
+        render.reap_report,
+        json_output=json_output,
+        filters_text=_filters_text(engine, pid, older_than),
+        exact_bytes=exact_bytes,
+        headers=not no_headers,
+    )
     plan = run(dry_run=True)
     if dry_run or not plan.removed:
-        render.reap_report(plan, json_output=json_output)
+        show(plan)
         raise typer.Exit(ExitStatus.OK)
     if not yes:
-        render.reap_preview(plan)
+        render.reap_preview(plan, exact_bytes=exact_bytes)
         if not typer.confirm(render.confirm_question(plan), default=False, err=True):
             render.reap_declined()
             raise typer.Exit(ExitStatus.OK)
     # Only what the plan listed (and was confirmed) can go; each item is proven dead again.
     done = run(only=plan)
-    render.reap_report(done, json_output=json_output)
+    show(done)
     raise typer.Exit(ExitStatus.OK)
+
+
+def _filters_text(engine: list[str] | None, pid: list[int] | None, older_than: str | None) -> str:
+    """The filters as the operator typed them, for "do not match --older-than 1h"."""
+    import shlex
+
+    words = [f"--engine {shlex.quote(e)}" for e in engine or ()]
+    words += [f"--pid {p}" for p in pid or ()]
+    if older_than is not None:
+        words.append(f"--older-than {shlex.quote(older_than)}")
+    return " ".join(words)
 
 
 def register(app: typer.Typer) -> None:

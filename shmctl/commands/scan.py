@@ -67,6 +67,13 @@ NoLeaseOption = Annotated[
     ),
 ]
 
+BytesOption = Annotated[
+    bool, typer.Option("--bytes", help="Print sizes as exact integers of bytes, not KiB/MiB/GiB.")
+]
+NoHeadersOption = Annotated[
+    bool, typer.Option("--no-headers", help="Print rows only: no header line (the summary is on stderr).")
+]
+
 DEFAULT_ROOT = Path("/dev/shm")
 
 
@@ -82,11 +89,16 @@ def scan(
         typer.Option("--deleted", help="Also list unlinked regions still mapped or open, per process."),
     ] = False,
     limit: Annotated[
-        int,
+        int | None,
         typer.Option(
-            "--limit", min=0, metavar="N", help="Regions shown in the table (0: all). JSON is never cut."
+            "--limit",
+            min=0,
+            metavar="N",
+            help="Regions shown (0: all). Default: 50 on a terminal, all in a pipe. JSON is never cut.",
         ),
-    ] = 50,
+    ] = None,
+    exact_bytes: BytesOption = False,
+    no_headers: NoHeadersOption = False,
 ) -> None:
     """Tell live region files from orphans by kernel evidence (lease, holders, locks), never by age."""
     from kvoffload.durations import parse_duration
@@ -102,7 +114,14 @@ def scan(
         assume_not_holding=frozenset(assume_not_holding or ()),
         use_lease=not no_lease,
     )
-    render.scan_report(report, json_output=json_output, show_deleted=deleted, limit=limit)
+    render.scan_report(
+        report,
+        json_output=json_output,
+        show_deleted=deleted,
+        limit=limit,
+        exact_bytes=exact_bytes,
+        headers=not no_headers,
+    )
     raise typer.Exit(ExitStatus.FINDINGS if report.with_status(Status.ORPHANED) else ExitStatus.OK)
 
 

@@ -1,19 +1,25 @@
 """Everything that turns library reports into text. Commands never format output themselves.
 
 Rules: data goes to stdout, diagnostics to stderr; ``--json`` prints one JSON document
-built from the report dataclass; tables are rich on a terminal and plain text (no
-colour, no box drawing) when stdout is not a TTY or ``NO_COLOR`` is set.
+built from the report dataclass: indented on a terminal, one line otherwise (journald and
+log shippers see one event). Tables are the same columns and the same rows on a terminal
+and in a pipe, aligned with spaces and never wrapped (a long reap command must paste as one
+line); a terminal only adds colour, and ``NO_COLOR`` (no-color.org) or ``TERM=dumb`` takes
+even that away.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import json
 import os
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -35,7 +41,13 @@ def to_jsonable(value: Any) -> Any:
 
 
 def emit_json(document: Any) -> None:
-    text = json.dumps(to_jsonable(document), indent=2, ensure_ascii=False)
+    pretty = sys.stdout.isatty()
+    text = json.dumps(
+        to_jsonable(document),
+        indent=2 if pretty else None,
+        separators=None if pretty else (",", ":"),
+        ensure_ascii=False,
+    )
     # A file name that is not UTF-8 reaches us as lone surrogates (os.listdir's surrogateescape),
     # which no stdout can encode. "\udcff" is their JSON escape: json.loads gives the name back.
     sys.stdout.write(text.encode("utf-8", "backslashreplace").decode("utf-8") + "\n")
@@ -57,22 +69,106 @@ def printable(text: str, *, escape_backslash: bool = True) -> str:
     )
 
 
+def token(text: str) -> str:
+    """``printable(text)`` with spaces escaped too: one field for ``awk``, whatever the name."""
+    return printable(text).replace(" ", "\\x20")
+
+
 def plain_output() -> bool:
     """True when output should be plain text: not a terminal, NO_COLOR, or TERM=dumb."""
     return not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
 
 
+def color_enabled(stream: IO[str] | None = None) -> bool:
+    """Colour only for a terminal, and never under ``NO_COLOR`` (any value but empty) or ``TERM=dumb``."""
+    target = sys.stdout if stream is None else stream
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    isatty = getattr(target, "isatty", None)
+    return bool(isatty and isatty())
+
+
+_SGR = {"bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "cyan": "36"}
+
+
+def styled(text: str, style: str | None, *, color: bool) -> str:
+    """``text`` in ``style`` (words of ``_SGR``, e.g. ``"bold red"``) when colour is on."""
+    if not color or not style:
+        return text
+    codes = ";".join(_SGR[word] for word in style.split())
+    return f"\x1b[{codes}m{text}\x1b[0m"
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    header: str
+    right: bool = False
+
+
+#: A table cell: its text, or its text and a style for terminals.
+Cell = str | tuple[str, str | None]
+
+
+def write_table(
+    columns: Sequence[Column],
+    rows: Sequence[Sequence[Cell]],
+    *,
+    headers: bool = True,
+    stream: IO[str] | None = None,
+) -> None:
+    """Rows aligned under ``columns``, two spaces apart; the last column is never padded.
+
+    The same bytes on a terminal and in a pipe (colour aside), so ``awk '$1 == "orphaned"'``
+    works on what an operator saw. Cells are escaped (``printable``) here: a control
+    character in a name cannot forge a row or a column.
+    """
+    out = sys.stdout if stream is None else stream
+    color = color_enabled(out)
+    texts: list[list[str]] = []
+    styles: list[list[str | None]] = []
+    for row in rows:
+        texts.append([printable(c if isinstance(c, str) else c[0], escape_backslash=False) for c in row])
+        styles.append([None if isinstance(c, str) else c[1] for c in row])
+    head = [c.header for c in columns]
+    widths = [max([len(h)] + [len(t[i]) for t in texts]) for i, h in enumerate(head)]
+    last = len(columns) - 1
+
+    def line(cells: Sequence[str], cell_styles: Sequence[str | None]) -> str:
+        parts = []
+        for i, (text, column) in enumerate(zip(cells, columns, strict=True)):
+            pad = " " * (widths[i] - len(text)) if i < last else ""
+            shown = styled(text, cell_styles[i], color=color)
+            parts.append(pad + shown if column.right else shown + pad)
+        return "  ".join(parts).rstrip(" ")
+
+    chunks = [line(head, [None] * len(head)) + "\n"] if headers else []
+    chunks.extend(line(t, s) + "\n" for t, s in zip(texts, styles, strict=True))
+    out.write("".join(chunks))
+
+
 def console(*, stderr: bool = False) -> Console:
     from rich.console import Console
 
+    class _Console(Console):
+        # rich turns a closed pipe into SystemExit(1), which reads as "findings": hand it on as
+        # the BrokenPipeError it is, for the app's one quiet exit 0.
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
     plain = plain_output()
-    return Console(
+    return _Console(
         stderr=stderr,
         no_color=plain,
         highlight=False,
         soft_wrap=plain,
         force_terminal=None if not plain else False,
     )
+
+
+def size_text(n: int, *, exact: bool) -> str:
+    """A size cell, one field for ``awk``: ``4.0KiB`` (as ``ls -h`` writes ``4.0K``), or the
+    exact integer under ``--bytes``."""
+    return str(n) if exact else human_bytes(n).replace(" ", "")
 
 
 def human_bytes(n: int | float) -> str:

@@ -1,17 +1,22 @@
-"""Rendering of the fault-point registry."""
+"""Rendering of the fault-point registry: a table, or one JSON document (``faults.schema.json``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from kvoffload.faults import INDEXED, FaultPoint
-from shmctl.render import console, emit_json, plain_output
+from shmctl.render import Column, emit_json, write_table
+
+#: 1: ``points`` with name, phase, description, indexed.
+SCHEMA_VERSION = 1
+COLUMNS = (Column("POINT"), Column("PHASE"), Column("WHAT FAILS THERE"))
 
 
-def fault_points(points: Sequence[FaultPoint], *, json_output: bool) -> None:
+def fault_points(points: Sequence[FaultPoint], *, json_output: bool, headers: bool = True) -> None:
     if json_output:
         emit_json(
             {
+                "schema_version": SCHEMA_VERSION,
                 "points": [
                     {
                         "name": p.name,
@@ -20,21 +25,9 @@ def fault_points(points: Sequence[FaultPoint], *, json_output: bool) -> None:
                         "indexed": p.name in INDEXED,
                     }
                     for p in points
-                ]
+                ],
             }
         )
         return
-    out = console()
-    if plain_output():
-        for p in points:
-            out.print(f"{p.name}\t{p.phase}\t{p.description}")
-        return
-    from rich.table import Table
-
-    table = Table(title="fault points (stage order)")
-    table.add_column("point")
-    table.add_column("phase")
-    table.add_column("what fails there")
-    for p in points:
-        table.add_row(p.name + (".N" if p.name in INDEXED else ""), p.phase, p.description)
-    out.print(table)
+    rows = [(p.name + (".N" if p.name in INDEXED else ""), p.phase, p.description) for p in points]
+    write_table(COLUMNS, rows, headers=headers)

@@ -1,11 +1,14 @@
-"""Rendering of ``ScanReport`` and ``ReapReport``: JSON, a rich table, or plain text.
+"""Rendering of ``ScanReport`` and ``ReapReport``: JSON, or a table of regions.
 
 The JSON is the report dataclass serialised by ``to_jsonable``, so tables and scripts
-read one source of truth. Tables show one row per region (base file plus segments) and
-at most ``limit`` rows; plain text (not a terminal, ``NO_COLOR``) prints every file, one
-tab-separated line each, for grep and awk. Engine ids are arbitrary strings, so names
-are never interpreted as rich markup, and their control characters are escapes in text
-(a name cannot forge a line, a column or a terminal sequence).
+read one source of truth. Tables show one row per region (its base file and segments
+that share a status), the same columns and rows on a terminal and in a pipe
+(``write_table``); only the row limit differs: a terminal shows ``--limit`` rows (50 by
+default), a pipe every row unless ``--limit`` is given. A header line comes first and a
+summary line last, as ``ls -l`` prints ``total``; ``--no-headers`` drops both, so
+``| wc -l`` and ``| awk`` see region rows only. Engine ids are arbitrary strings: their control characters and
+spaces are escapes in a table (a name cannot forge a line, a column or a terminal
+sequence).
 """
 
 from __future__ import annotations
@@ -13,16 +16,25 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvoffload.liveness.holders import Holder
 from kvoffload.liveness.namespace import Visibility
 from kvoffload.liveness.reap import ReapReport
 from kvoffload.liveness.scan import Evidence, ScanEntry, ScanReport, ScanSummary, Status
-from shmctl.render import console, emit_json, human_age, human_bytes, plain_output, printable, warning_line
-
-if TYPE_CHECKING:
-    from rich.console import Console
+from shmctl.render import (
+    Cell,
+    Column,
+    color_enabled,
+    emit_json,
+    human_age,
+    human_bytes,
+    printable,
+    size_text,
+    styled,
+    token,
+    warning_line,
+    write_table,
+)
 
 STYLE = {
     Status.ORPHANED: "bold red",
@@ -32,7 +44,34 @@ STYLE = {
     Status.SKIPPED: "dim",
 }
 _ORDER = {status: rank for rank, status in enumerate(STYLE)}
-_PLAIN_COLUMNS = ("STATUS", "NAME", "SIZE", "RESIDENT", "AGE", "HOLDERS", "REASON")
+#: Rows a terminal shows unless ``--limit`` says otherwise; a pipe gets every row.
+TERMINAL_LIMIT = 50
+
+SCAN_COLUMNS = (
+    Column("STATUS"),
+    Column("ENGINE"),
+    Column("FILES", right=True),
+    Column("SIZE", right=True),
+    Column("RESIDENT", right=True),
+    Column("AGE", right=True),
+    Column("HOLDERS"),
+    Column("REASON"),
+)
+REAP_COLUMNS = (
+    Column("RESULT"),
+    Column("ENGINE"),
+    Column("FILES", right=True),
+    Column("SIZE", right=True),
+    Column("RESIDENT", right=True),
+    Column("REASON"),
+)
+DELETED_COLUMNS = (
+    Column("PID", right=True),
+    Column("PROCESS"),
+    Column("MAPPED", right=True),
+    Column("VIA"),
+    Column("PATH"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +85,8 @@ class _Row:
         return self.entries[0]
 
     @property
-    def label(self) -> str:
-        return printable(self.first.name) + self._segments
-
-    @property
     def engine(self) -> str:
-        return printable(self.first.engine_id) + self._segments
-
-    @property
-    def _segments(self) -> str:
-        extra = len(self.entries) - 1
-        return f" (+{extra} segment{'s' * (extra > 1)})" if extra else ""
+        return token(self.first.engine_id)
 
     @property
     def resident(self) -> int:
@@ -91,121 +121,102 @@ def _rows(entries: Iterable[ScanEntry]) -> list[_Row]:
 def _holders_text(holders: Sequence[Holder], shown: int = 3) -> str:
     if not holders:
         return "-"
-    text = ", ".join(f"{h.pid}:{printable(h.name)}" for h in holders[:shown])
-    return text + (f" +{len(holders) - shown}" if len(holders) > shown else "")
+    text = ",".join(f"{h.pid}:{token(h.name)}" for h in holders[:shown])
+    return text + (f",+{len(holders) - shown}" if len(holders) > shown else "")
 
 
-def summary_line(summary: ScanSummary, root: object) -> str:
+def summary_line(summary: ScanSummary, root: object, *, exact: bool = False) -> str:
     if not summary.total:
         return f"no region files in {printable(str(root))}"
     counts = ", ".join(f"{getattr(summary, s.value)} {s.value}" for s in Status if getattr(summary, s.value))
     line = f"{summary.total} region file(s) in {printable(str(root))}: {counts}"
     if summary.orphaned:
         line += (
-            f"; orphans pin {human_bytes(summary.orphaned_resident_bytes)} "
-            f"({human_bytes(summary.orphaned_size_bytes)} apparent); `shmctl reap` removes them"
+            f"; orphans pin {size_text(summary.orphaned_resident_bytes, exact=exact)} "
+            f"({size_text(summary.orphaned_size_bytes, exact=exact)} apparent); `shmctl reap` removes them"
         )
     return line
 
 
-class _Out:
-    """Lines for a person: verbatim when plain (tabs kept for cut and awk), styled on a terminal."""
-
-    def __init__(self, *, stderr: bool = False) -> None:
-        self.stream = sys.stderr if stderr else sys.stdout
-        self.plain = plain_output()
-        self.rich: Console | None = None if self.plain else console(stderr=stderr)
-
-    def line(self, text: str, style: str | None = None) -> None:
-        if self.rich is None:
-            self.stream.write(text + "\n")
-        else:
-            self.rich.print(text, style=style, markup=False, highlight=False)
+def _limit(limit: int | None) -> int:
+    """Rows to show: ``--limit`` when given (0: all), else 50 on a terminal and all in a pipe."""
+    if limit is not None:
+        return limit
+    return TERMINAL_LIMIT if sys.stdout.isatty() else 0
 
 
-def scan_report(report: ScanReport, *, json_output: bool, show_deleted: bool, limit: int) -> None:
+def _stderr_line(text: str, style: str | None = None) -> None:
+    sys.stderr.write(styled(text, style, color=color_enabled(sys.stderr)) + "\n")
+    sys.stderr.flush()
+
+
+def _summary(text: str, *, headers: bool) -> None:
+    """The closing line on stdout, left out with ``--no-headers`` (rows only)."""
+    if headers:
+        sys.stdout.write(styled(text, "bold", color=color_enabled(sys.stdout)) + "\n")
+
+
+def scan_report(
+    report: ScanReport,
+    *,
+    json_output: bool,
+    show_deleted: bool,
+    limit: int | None = None,
+    exact_bytes: bool = False,
+    headers: bool = True,
+) -> None:
     _warn_blind_spots(report)
     if json_output:
         emit_json(report)
         return
-    out = _Out()
-    if out.rich is None:
-        if report.entries:
-            out.line("\t".join(_PLAIN_COLUMNS))
-        for e in report.entries:
-            fields = (
-                e.status.value,
-                printable(e.name),
-                human_bytes(e.size_bytes),
-                human_bytes(e.resident_bytes),
-                human_age(e.age_s),
-                _holders_text(e.holders, shown=len(e.holders)),
-                printable(e.reason),
-            )
-            out.line("\t".join(fields))
-        if show_deleted:
-            for d in report.deleted:
-                out.line(
-                    f"deleted\t{d.pid}\t{printable(d.name)}\t{printable(d.path)}\t{human_bytes(d.mapped_bytes)}"
-                )
-        out.line(summary_line(report.summary, report.root))
-        return
-
-    from rich.table import Table
-    from rich.text import Text
-
     rows = _rows(report.entries)
-    shown = rows if limit == 0 else rows[:limit]
-    table = Table(title=f"region files in {printable(str(report.root))}", title_justify="left")
-    table.add_column("status", no_wrap=True)
-    table.add_column("engine id", overflow="fold", ratio=2)
-    table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("resident", justify="right", no_wrap=True)
-    table.add_column("age", justify="right", no_wrap=True)
-    table.add_column("holders", overflow="fold", ratio=1)
-    table.add_column("reason", overflow="fold", ratio=3)
-    for row in shown:
-        status = row.first.status
-        table.add_row(
-            Text(status.value, style=STYLE[status]),
-            Text(row.engine),
-            human_bytes(row.size),
-            human_bytes(row.resident),
+    cap = _limit(limit)
+    shown = rows if cap == 0 else rows[:cap]
+    table: list[Sequence[Cell]] = [
+        (
+            (row.first.status.value, STYLE[row.first.status]),
+            row.engine,
+            str(len(row.entries)),
+            size_text(row.size, exact=exact_bytes),
+            size_text(row.resident, exact=exact_bytes),
             human_age(row.age),
-            Text(_holders_text(row.holders)),
-            Text(printable(row.first.reason)),
+            _holders_text(row.holders),
+            printable(row.first.reason),
         )
-    if rows:
-        out.rich.print(table)
+        for row in shown
+    ]
+    if table:
+        write_table(SCAN_COLUMNS, table, headers=headers)
     if len(shown) < len(rows):
-        out.line(
+        _stderr_line(
             f"… {len(rows) - len(shown)} more region(s) not shown (--limit 0 shows all; --json for scripts)",
-            style="dim",
+            "dim",
         )
     if show_deleted:
-        _deleted_table(out.rich, report)
-    out.line(summary_line(report.summary, report.root), style="bold")
+        _deleted_table(report, exact_bytes=exact_bytes, headers=headers)
+    _summary(summary_line(report.summary, report.root, exact=exact_bytes), headers=headers)
 
 
-def _deleted_table(out: Console, report: ScanReport) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
+def _deleted_table(report: ScanReport, *, exact_bytes: bool, headers: bool) -> None:
     if not report.deleted:
-        out.print("no unlinked region is still mapped or open", markup=False)
+        _summary("no unlinked region is still mapped or open", headers=headers)
         return
-    table = Table(title="unlinked regions still mapped or open", title_justify="left")
-    for column in ("pid", "process", "path", "mapped", "via"):
-        table.add_column(column, justify="right" if column in ("pid", "mapped") else "left")
-    for d in report.deleted:
-        table.add_row(
-            str(d.pid),
-            Text(printable(d.name)),
-            Text(printable(d.path)),
-            human_bytes(d.mapped_bytes),
-            ",".join(d.via),
-        )
-    out.print(table)
+    if headers:
+        sys.stdout.write("\n")
+    write_table(
+        DELETED_COLUMNS,
+        [
+            (
+                str(d.pid),
+                token(d.name),
+                size_text(d.mapped_bytes, exact=exact_bytes),
+                ",".join(d.via),
+                printable(d.path),
+            )
+            for d in report.deleted
+        ],
+        headers=headers,
+    )
 
 
 def _warn_blind_spots(report: ScanReport) -> None:
@@ -263,44 +274,71 @@ def kept_unknown_line(report: ReapReport) -> None:
     )
 
 
-def _removal_lines(out: _Out, verb: str, entries: Sequence[ScanEntry]) -> list[str]:
-    """One line per file when plain, one per region on a terminal."""
-    if out.plain:
-        return [f"{verb}\t{printable(e.name)}\t{human_bytes(e.resident_bytes)}" for e in entries]
-    return [f"{verb}\t{row.label}\t{human_bytes(row.resident)}" for row in _rows(entries)]
+def _reap_rows(verb: str, entries: Sequence[ScanEntry], *, exact: bool) -> list[Sequence[Cell]]:
+    return [
+        (
+            (verb, STYLE[row.first.status] if verb == "kept" else None),
+            row.engine,
+            str(len(row.entries)),
+            size_text(row.size, exact=exact),
+            size_text(row.resident, exact=exact),
+            printable(row.first.reason),
+        )
+        for row in _rows(entries)
+    ]
 
 
-def reap_report(report: ReapReport, *, json_output: bool) -> None:
+def _filter_notes(report: ReapReport, filters_text: str, *, exact: bool) -> str:
+    if not report.filtered_out:
+        return ""
+    left = report.filtered_out
+    return (
+        f"; {len(left)} orphaned file(s) ({size_text(sum(e.resident_bytes for e in left), exact=exact)} "
+        f"resident) do not match {filters_text or 'the filters'} and stay"
+    )
+
+
+def reap_report(
+    report: ReapReport,
+    *,
+    json_output: bool,
+    filters_text: str = "",
+    exact_bytes: bool = False,
+    headers: bool = True,
+) -> None:
     _note_visibility(report.visibility, report.lease_enabled, ())
+    for missing in report.unmatched_filters:
+        warning_line(f"{missing} matches no region in {printable(str(report.root))}")
     kept_unknown_line(report)
     if json_output:
         emit_json(report)
         return
-    out = _Out()
-    for line in _removal_lines(out, "would remove" if report.dry_run else "removed", report.removed):
-        out.line(line)
-    for e in report.kept:
-        out.line(f"kept\t{printable(e.name)}\t{printable(e.reason)}", style=STYLE[e.status])
+    rows = _reap_rows("would-remove" if report.dry_run else "removed", report.removed, exact=exact_bytes)
+    rows += _reap_rows("kept", report.kept, exact=exact_bytes)
+    if rows:
+        write_table(REAP_COLUMNS, rows, headers=headers)
     files = len(report.removed)
+    freed = size_text(report.freed_bytes, exact=exact_bytes)
     if not files and not report.kept:
-        line = f"nothing to reap: {summary_line(report.summary, report.root)}"
-    elif report.dry_run:
-        line = f"would remove {files} file(s), freeing {human_bytes(report.freed_bytes)}"
+        if report.filtered_out:
+            line = "nothing to reap" + _filter_notes(report, filters_text, exact=exact_bytes)
+        else:
+            line = f"nothing to reap: {summary_line(report.summary, report.root, exact=exact_bytes)}"
     else:
-        line = f"removed {files} file(s), freed {human_bytes(report.freed_bytes)}"
-    if report.kept:
-        line += f"; kept {len(report.kept)} that changed since the plan"
-    out.line(line, style="bold")
+        verb = "would remove" if report.dry_run else "removed"
+        line = f"{verb} {files} file(s), {'freeing' if report.dry_run else 'freed'} {freed}"
+        if report.kept:
+            line += f"; kept {len(report.kept)} that changed since the plan"
+        line += _filter_notes(report, filters_text, exact=exact_bytes)
+    _summary(line, headers=headers)
 
 
-def reap_preview(report: ReapReport, *, shown: int = 20) -> None:
+def reap_preview(report: ReapReport, *, shown: int = 20, exact_bytes: bool = False) -> None:
     """What a confirmed reap will remove, on stderr (stdout is for the result)."""
-    err = _Out(stderr=True)
-    lines = _removal_lines(err, "will remove", report.removed)
-    for line in lines[:shown]:
-        err.line(line)
-    if len(lines) > shown:
-        err.line(f"… and {len(lines) - shown} more (--dry-run --json lists all)")
+    rows = _reap_rows("will-remove", report.removed, exact=exact_bytes)
+    write_table(REAP_COLUMNS, rows[:shown], stream=sys.stderr)
+    if len(rows) > shown:
+        _stderr_line(f"… and {len(rows) - shown} more region(s) (--dry-run --json lists all)")
 
 
 def confirm_question(report: ReapReport) -> str:
@@ -308,4 +346,4 @@ def confirm_question(report: ReapReport) -> str:
 
 
 def reap_declined() -> None:
-    _Out(stderr=True).line("nothing removed")
+    _stderr_line("nothing removed")

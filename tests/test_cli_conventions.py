@@ -1,0 +1,234 @@
+"""The CLI behaves like its neighbours: the same table on a terminal and in a pipe, NO_COLOR,
+``--bytes``, ``--no-headers``, repeatable filters with globs, mtime ages, quiet closed pipes,
+``--version``, and one-line JSON off a terminal.
+
+Every command here runs as a real process; "a terminal" is a real pseudo-terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from tests.procs import REPO, Child, leave_orphan, region_path
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def shmctl(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "NO_COLOR"} | (env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "shmctl", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+        env=environ,
+    )
+
+
+def on_a_terminal(*argv: str, env: dict[str, str] | None = None, columns: int = 80) -> tuple[int, str, str]:
+    """``shmctl argv`` with stdout on a pseudo-terminal ``columns`` wide; stderr stays a pipe."""
+    leader, follower = pty.openpty()
+    environ = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    environ |= {"COLUMNS": str(columns), "LINES": "50", "TERM": "xterm-256color"} | (env or {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmctl", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=environ,
+    )
+    os.close(follower)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 0.1)
+        if ready:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    os.close(leader)
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    # The terminal's line discipline turns "\n" into "\r\n"; nothing else changes the bytes.
+    return proc.wait(30), b"".join(chunks).decode().replace("\r\n", "\n"), err
+
+
+@pytest.fixture
+def three_regions(root: Path, engine_id: str) -> Iterator[dict[str, Path]]:
+    """An orphan two hours old by mtime, a live region and a long-named orphan, all real."""
+    regions = {
+        "orphan": leave_orphan(root, f"{engine_id}-a"),
+        "live": region_path(root, f"{engine_id}-b"),
+        "long": leave_orphan(root, f"{engine_id}-{'x' * 90}"),
+    }
+    old = time.time() - 7200
+    os.utime(regions["orphan"], (old, old))
+    with Child("vllm", regions["live"]):
+        yield regions
+    regions["live"].unlink()
+
+
+def test_a_terminal_and_a_pipe_get_the_same_columns_and_rows(
+    root: Path, three_regions: dict[str, Path]
+) -> None:
+    piped = shmctl("scan", "--root", str(root), "--grace", "0")
+    code, shown, err = on_a_terminal("scan", "--root", str(root), "--grace", "0")
+    assert (code, err) == (piped.returncode, piped.stderr) == (1, "")
+    assert "\x1b[" in shown  # colour on the terminal...
+    assert "\x1b" not in piped.stdout  # ...and none in the pipe
+    assert ANSI.sub("", shown) == piped.stdout
+
+
+def test_no_color_removes_colour_and_nothing_else(root: Path, three_regions: dict[str, Path]) -> None:
+    piped = shmctl("scan", "--root", str(root), "--grace", "0")
+    code, shown, _ = on_a_terminal("scan", "--root", str(root), "--grace", "0", env={"NO_COLOR": "1"})
+    assert code == 1
+    assert shown == piped.stdout
+
+
+def test_a_long_engine_id_stays_on_its_row_at_80_columns(root: Path, three_regions: dict[str, Path]) -> None:
+    _, shown, _ = on_a_terminal("scan", "--root", str(root), "--grace", "0", columns=80)
+    long_id = three_regions["long"].name.removeprefix("vllm_offload_").removesuffix(".mmap")
+    (row,) = [line for line in ANSI.sub("", shown).splitlines() if long_id in line]
+    assert row.split()[:2] == ["orphaned", long_id]
+    assert len(shown.splitlines()) == 1 + 3 + 1  # header, three regions, summary
+
+
+def test_age_counts_from_mtime_as_ls_shows_it(root: Path, three_regions: dict[str, Path]) -> None:
+    out = shmctl("scan", "--root", str(root), "--grace", "0").stdout
+    header, *rows = out.splitlines()[:-1]
+    at = header.split().index("AGE")
+    ages = {row.split()[1]: row.split()[at] for row in rows}
+    assert ages[three_regions["orphan"].name[len("vllm_offload_") : -len(".mmap")]] == "2h"
+
+
+def test_bytes_prints_exact_integers_that_match_the_json(root: Path, three_regions: dict[str, Path]) -> None:
+    doc = json.loads(shmctl("scan", "--root", str(root), "--grace", "0", "--json").stdout)
+    out = shmctl("scan", "--root", str(root), "--grace", "0", "--bytes").stdout
+    header, *rows = out.splitlines()[:-1]
+    columns = header.split()
+    table = {r.split()[1]: r.split() for r in rows}
+    for entry in doc["entries"]:
+        cells = table[entry["engine_id"]]
+        assert int(cells[columns.index("SIZE")]) == entry["size_bytes"]
+        assert int(cells[columns.index("RESIDENT")]) == entry["resident_bytes"]
+
+
+def test_no_headers_prints_region_rows_only(root: Path, three_regions: dict[str, Path]) -> None:
+    out = shmctl("scan", "--root", str(root), "--grace", "0", "--no-headers").stdout
+    lines = out.splitlines()
+    assert len(lines) == 3
+    assert sorted(line.split()[0] for line in lines) == ["live", "orphaned", "orphaned"]
+
+
+def test_every_engine_value_counts_and_globs_match(root: Path, engine_id: str) -> None:
+    paths = [leave_orphan(root, f"{engine_id}-{x}") for x in ("a1", "b1", "c1")]
+    listed = shmctl(
+        "reap",
+        "--root",
+        str(root),
+        "--grace",
+        "0",
+        "-n",
+        "--engine",
+        f"{engine_id}-a1",
+        "--engine",
+        f"{engine_id}-c*",
+    )
+    assert listed.returncode == 0
+    rows = [line.split()[1] for line in listed.stdout.splitlines()[1:-1]]
+    assert sorted(rows) == [f"{engine_id}-a1", f"{engine_id}-c1"]
+    done = shmctl("reap", "--root", str(root), "--grace", "0", "--yes", "--engine", f"{engine_id}-*")
+    assert done.returncode == 0
+    assert not any(p.exists() for p in paths)
+
+
+def test_a_filter_that_matches_nothing_says_so_on_stderr(root: Path, engine_id: str) -> None:
+    path = leave_orphan(root, engine_id)
+    done = shmctl("reap", "--root", str(root), "--grace", "0", "-n", "--engine", "kvtest-nobody-*")
+    assert done.returncode == 0
+    assert done.stderr == f"shmctl: warning: --engine 'kvtest-nobody-*' matches no region in {root}\n"
+    assert path.exists()
+    path.unlink()
+
+
+def test_a_dry_run_whose_filter_leaves_orphans_out_says_why_not_to_reap(root: Path, engine_id: str) -> None:
+    path = leave_orphan(root, engine_id)  # a fresh mtime: younger than an hour
+    done = shmctl("reap", "--root", str(root), "--grace", "0", "-n", "--older-than", "1h")
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("nothing to reap; 1 orphaned file(s) (")
+    assert done.stdout.endswith(" resident) do not match --older-than 1h and stay\n")
+    assert "removes them" not in done.stdout
+    path.unlink()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("faults",), ("faults", "--json"), ("scan", "--grace", "1h"), ("scan", "--grace", "1h", "--json")],
+    ids=" ".join,
+)
+def test_a_closed_pipe_exits_quietly_with_0(root: Path, engine_id: str, argv: tuple[str, ...]) -> None:
+    if argv[0] == "scan":  # enough rows that the output cannot fit in the pipe
+        for i in range(3000):
+            (root / f"vllm_offload_{engine_id}-{i}.mmap").touch()
+        argv = (*argv, "--root", str(root))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmctl", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "NO_COLOR"},
+    )
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    assert proc.stdout.read(1)  # `| head -c 1`
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert (proc.wait(60), err) == (0, b"")
+    for child in root.iterdir():
+        child.unlink()
+
+
+def test_version_names_the_installed_distribution() -> None:
+    done = shmctl("--version")
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"shmctl {version('shmctl')}\n", "")
+
+
+def test_json_is_one_line_in_a_pipe_and_indented_on_a_terminal(
+    root: Path, three_regions: dict[str, Path]
+) -> None:
+    piped = shmctl("scan", "--root", str(root), "--grace", "0", "--json").stdout
+    _, shown, _ = on_a_terminal("scan", "--root", str(root), "--grace", "0", "--json")
+    assert piped.count("\n") == 1
+    assert shown.count("\n") > 10
+    assert _steady(json.loads(piped)) == _steady(json.loads(shown))
+
+
+def _steady(doc: dict[str, object]) -> dict[str, object]:
+    """The document without what moves between two scans a moment apart (the clock)."""
+    entries = doc["entries"]
+    assert isinstance(entries, list)
+    return doc | {"scanned_at": 0, "entries": [e | {"age_s": 0} for e in entries]}
