@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+from referencing import Registry, Resource
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "shmctl" / "schemas"
 
@@ -24,9 +25,21 @@ def schema(name: str) -> dict[str, Any]:
     return loaded
 
 
+@functools.cache
+def registry() -> Registry[Any]:
+    """Every shipped schema by its ``$id``, so ``urn:shmctl:schema:scan#/$defs/entry`` resolves."""
+    resources = [
+        Resource.from_contents(schema(p.name.removesuffix(".schema.json")))
+        for p in sorted(SCHEMAS.glob("*.schema.json"))
+    ]
+    return Registry().with_resources((r.id() or "", r) for r in resources)
+
+
 def validate(document: Any, name: str) -> None:
     """Raise ``jsonschema.ValidationError`` unless ``document`` matches schema ``name``."""
-    validator = jsonschema.Draft202012Validator(schema(name), format_checker=jsonschema.FormatChecker())
+    validator = jsonschema.Draft202012Validator(
+        schema(name), registry=registry(), format_checker=jsonschema.FormatChecker()
+    )
     error = jsonschema.exceptions.best_match(validator.iter_errors(document))
     if error is not None:
         raise error
