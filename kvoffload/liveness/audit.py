@@ -13,6 +13,15 @@ it runs, never the audit alone (which would leave the command running, unwatched
 report of a cancelled run is still the one worth having. The report says which signal
 came; the previous handlers are back when ``audit`` returns. Handlers can only be
 installed from the main thread: from any other, the command runs without forwarding.
+
+The report decides the exit status a wrapper should give (``exit_status``, and why:
+``exit_reason``), so that wrapping a command changes its CI step only by the leak check:
+
+1. a signal stopped the audit (it was passed on): 128 + its number, as a shell reports it;
+2. the command was killed by signal N: 128 + N; it exited N != 0: N (a failing test suite
+   stays the failure it was, whether or not it also leaked: the report records both);
+3. the command succeeded but left something: 1;
+4. otherwise 0.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from types import FrameType
 
@@ -33,25 +43,82 @@ from kvoffload.errors import ConfigError
 from kvoffload.liveness.holders import DeletedMapping
 from kvoffload.liveness.scan import DEFAULT_ROOT, ScanEntry, scan
 
+#: 1: the first versioned document (``command_signal``, ``exit_status``, ``exit_reason``,
+#: ``started_at`` and ``reap_commands`` came with it; ``command_exit_code`` is null when a
+#: signal killed the command, never negative).
+SCHEMA_VERSION = 1
+#: The status of a command that succeeded but left shared memory behind (shmctl's FINDINGS).
+LEAKED_EXIT_STATUS = 1
+
+
+class ExitReason(StrEnum):
+    """Why ``exit_status`` is what it is, in the order the rules are tried."""
+
+    INTERRUPTED = "interrupted"  # a signal stopped the audit: 128 + its number
+    COMMAND_KILLED = "command-killed"  # a signal killed the command: 128 + its number
+    COMMAND_FAILED = "command-failed"  # the command's own nonzero exit code
+    LEAKED = "leaked"  # the command succeeded and left something: 1
+    CLEAN = "clean"  # 0
+
 
 @dataclass(frozen=True, slots=True)
 class AuditReport:
-    """What a command left behind. Serialised as is for ``shmctl audit --json``."""
+    """What a command left behind and the status to exit with. Serialised for ``--report``."""
 
+    schema_version: int
     root: Path
     command: tuple[str, ...]
-    command_exit_code: int
+    #: Wall-clock time (seconds since the epoch) when the command started.
+    started_at: float
     duration_s: float
+    #: The command's exit code; None when a signal killed it (``command_signal`` names it).
+    command_exit_code: int | None
+    command_signal: str | None
     leaked: tuple[ScanEntry, ...]
     leaked_deleted: tuple[DeletedMapping, ...]
     leaked_resident_bytes: int
     preexisting: int
+    #: One ``shmctl reap`` command per engine that left region files (orphans go; held files stay).
+    reap_commands: tuple[str, ...]
+    exit_status: int
+    exit_reason: ExitReason
     #: The signal (``"SIGTERM"``) that stopped the audit while it ran, if one did.
     interrupted_by: str | None = None
 
     @property
     def clean(self) -> bool:
         return not self.leaked and not self.leaked_deleted
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; real-time signals, which ``signal.Signals`` does not name, as ``SIGRTMIN+N``."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"SIGRTMIN+{signum - signal.SIGRTMIN}" if signum > signal.SIGRTMIN else f"SIG{signum}"
+
+
+def exit_for(
+    *, returncode: int, leaked: bool, interrupted_by: signal.Signals | None
+) -> tuple[int, ExitReason]:
+    """The status to exit with, and why (the rules of the module docstring, in order)."""
+    if interrupted_by is not None:
+        return 128 + interrupted_by.value, ExitReason.INTERRUPTED
+    if returncode < 0:  # Popen's spelling of "killed by signal -returncode"
+        return 128 - returncode, ExitReason.COMMAND_KILLED
+    if returncode != 0:
+        return returncode, ExitReason.COMMAND_FAILED
+    if leaked:
+        return LEAKED_EXIT_STATUS, ExitReason.LEAKED
+    return 0, ExitReason.CLEAN
+
+
+def _reap_commands(root: Path, leaked: tuple[ScanEntry, ...]) -> tuple[str, ...]:
+    # Imported here: the engine package is not needed to audit, only to spell the command.
+    from kvoffload.engine.bringup import reap_command
+
+    engines = dict.fromkeys(e.engine_id for e in leaked)
+    return tuple(reap_command(root, engine) for engine in engines)
 
 
 #: Signals that stop an audit: each is passed on to the command.
@@ -125,6 +192,7 @@ def audit(
 
     with ExitStack() as handlers:
         _catch(handlers, forward)
+        started_at = time.time()
         started = time.monotonic()
         try:
             child = subprocess.Popen(list(command))
@@ -151,14 +219,24 @@ def audit(
     leaked = tuple(e for e in after.entries if e.identity not in known)
     leaked_deleted = tuple(d for d in after.deleted if _deleted_key(d) not in known_deleted)
     resident = sum(e.resident_bytes for e in leaked) + sum(d.resident_bytes or 0 for d in leaked_deleted)
+    interrupted_by = received[0] if received else None
+    exit_status, exit_reason = exit_for(
+        returncode=returncode, leaked=bool(leaked or leaked_deleted), interrupted_by=interrupted_by
+    )
     return AuditReport(
+        schema_version=SCHEMA_VERSION,
         root=Path(root),
         command=tuple(command),
-        command_exit_code=returncode,
+        started_at=started_at,
         duration_s=duration,
+        command_exit_code=returncode if returncode >= 0 else None,
+        command_signal=signal_name(-returncode) if returncode < 0 else None,
         leaked=leaked,
         leaked_deleted=leaked_deleted,
         leaked_resident_bytes=resident,
         preexisting=len(known),
-        interrupted_by=received[0].name if received else None,
+        reap_commands=_reap_commands(Path(root), leaked) if leaked else (),
+        exit_status=exit_status,
+        exit_reason=exit_reason,
+        interrupted_by=interrupted_by.name if interrupted_by is not None else None,
     )
