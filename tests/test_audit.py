@@ -1,22 +1,41 @@
-"""shmctl audit: a CI step that fails when a command leaves shared memory behind."""
+"""shmctl audit: a CI step that fails when a command leaves shared memory behind.
+
+The command's stdout and stderr are its own; the report goes to ``--report`` (JSON, checked
+against ``shmctl/schemas/audit.schema.json``) and ``--junit`` (JUnit XML), the summary to
+stderr. Every run here is a real ``python -m shmctl`` running a real command that makes real
+files, in a private directory of /dev/shm (the ``root`` fixture) unless it says otherwise.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
-from kvoffload.liveness.audit import audit
+import jsonschema
+import pytest
+
+from kvoffload.liveness.audit import ExitReason, audit
+from tests.hostile import shmctl as run_shmctl
+from tests.schemas import schema, validate
 
 SHM = Path("/dev/shm")
 
 MAKE_REGION = """
 import os, sys
-fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+fd = os.open(os.fsencode(sys.argv[1]), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
 os.ftruncate(fd, 1 << 20)
 os.pwrite(fd, b"x", 0)
+sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
 """
 
 # Maps a region, unlinks it, then lingers in the background (a daemon the command left).
@@ -30,36 +49,114 @@ mm[0] = 1
 os.unlink(path)
 if os.fork():
     os._exit(0)
-sys.stdout.close()
+# Off the audit's pipes, so that whoever reads them sees the end when the audit exits.
+null = os.open(os.devnull, os.O_RDWR)
+for stdio in (0, 1, 2):
+    os.dup2(null, stdio)
 time.sleep(float(sys.argv[2]))
+"""
+
+# Leaves a daemon holding a kvoffload region (owner record, lock, mapping); the command
+# itself exits 0 once the daemon has written its pid.
+DAEMON = """
+import os, sys, time
+from pathlib import Path
+path, pid_file = Path(sys.argv[1]), Path(sys.argv[2])
+if os.fork() == 0:
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for stdio in (0, 1, 2):
+        os.dup2(null, stdio)
+    from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
+    engine_id = path.name[len("vllm_offload_"):-len(".mmap")]
+    region = SharedOffloadRegion(engine_id, 4, None, 2 * PAGESIZE, PAGESIZE, root=path.parent)
+    (pid_file.parent / "tmp.pid").write_text(str(os.getpid()))
+    (pid_file.parent / "tmp.pid").rename(pid_file)
+    time.sleep(60)
+    os._exit(0)
+while not pid_file.exists():
+    time.sleep(0.01)
 """
 
 
 def shmctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shmctl", *args], capture_output=True, text=True, timeout=60, check=False
-    )
+    return run_shmctl(*args, env={"SHMCTL_ROOT": None, "NO_COLOR": "1"})
 
 
-def test_audit_reports_a_region_the_command_left(engine_id: str, tmp_path: Path) -> None:
+def make_region(path: Path | bytes, exit_code: int = 0) -> list[str]:
+    """The command that creates a 1 MiB region file at ``path`` (one page written) and exits."""
+    return [sys.executable, "-c", MAKE_REGION, os.fsdecode(path), str(exit_code)]
+
+
+def region(root: Path, engine_id: str) -> Path:
+    return root / f"vllm_offload_{engine_id}.mmap"
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(path.read_text(errors="surrogateescape"))
+    validate(doc, "audit")
+    return doc
+
+
+def read_junit(path: Path) -> ET.Element:
+    suite = ET.parse(path).getroot()
+    assert suite.tag == "testsuite"
+    assert suite.get("name") == "shmctl audit"
+    cases = suite.findall("testcase")
+    assert suite.get("tests") == str(len(cases))
+    assert suite.get("failures") == str(sum(c.find("failure") is not None for c in cases))
+    assert suite.get("errors") == str(sum(c.find("error") is not None for c in cases))
+    return suite
+
+
+def outcomes(suite: ET.Element) -> list[tuple[str | None, str | None, str | None]]:
+    """``(classname, name, failure or error type or None)`` for each testcase, in order."""
+    found = []
+    for case in suite.findall("testcase"):
+        outcome = case.find("failure")
+        if outcome is None:
+            outcome = case.find("error")
+        found.append(
+            (case.get("classname"), case.get("name"), None if outcome is None else outcome.get("type"))
+        )
+    return found
+
+
+@contextmanager
+def killed_after(pid_file: Path) -> Iterator[None]:
+    """Whatever process wrote ``pid_file`` is SIGKILLed when the block ends."""
+    try:
+        yield
+    finally:
+        if pid_file.exists():
+            with suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+# --- the library -----------------------------------------------------------------------
+
+
+def test_audit_reports_a_region_the_command_left(engine_id: str) -> None:
     path = SHM / f"vllm_offload_{engine_id}.mmap"
     try:
-        report = audit([sys.executable, "-c", MAKE_REGION, str(path)], SHM)
+        report = audit(make_region(path), SHM)
         assert not report.clean
         assert [e.path for e in report.leaked] == [path]
         assert report.leaked_resident_bytes >= 4096
         assert report.command_exit_code == 0
+        assert (report.exit_status, report.exit_reason) == (1, ExitReason.LEAKED)
     finally:
         path.unlink(missing_ok=True)
 
 
 def test_audit_ignores_files_that_were_there_before(engine_id: str) -> None:
     path = SHM / f"vllm_offload_{engine_id}.mmap"
-    subprocess.run([sys.executable, "-c", MAKE_REGION, str(path)], check=True)
+    subprocess.run(make_region(path), check=True)
     try:
         report = audit(["true"], SHM)
         assert report.clean
         assert report.preexisting >= 1
+        assert (report.exit_status, report.exit_reason) == (0, ExitReason.CLEAN)
     finally:
         path.unlink()
 
@@ -77,22 +174,332 @@ def test_audit_catches_a_deleted_region_still_mapped_by_a_leftover_process(engin
             os.kill(d.pid, 9)
 
 
-def test_cli_audit_exit_codes(engine_id: str) -> None:
-    path = SHM / f"vllm_offload_{engine_id}.mmap"
+@pytest.mark.parametrize(
+    ("command", "status", "reason", "code", "killed_by"),
+    [
+        (["true"], 0, ExitReason.CLEAN, 0, None),
+        (["sh", "-c", "exit 5"], 5, ExitReason.COMMAND_FAILED, 5, None),
+        (["sh", "-c", "exit 1"], 1, ExitReason.COMMAND_FAILED, 1, None),
+        (["sh", "-c", "kill -TERM $$"], 143, ExitReason.COMMAND_KILLED, None, "SIGTERM"),
+        (["sh", "-c", "kill -USR1 $$"], 128 + signal.SIGUSR1, ExitReason.COMMAND_KILLED, None, "SIGUSR1"),
+    ],
+    ids=["exit-0", "exit-5", "exit-1", "SIGTERM", "SIGUSR1"],
+)
+def test_the_exit_status_is_the_commands_own_when_it_did_not_succeed(
+    command: list[str], status: int, reason: ExitReason, code: int | None, killed_by: str | None, root: Path
+) -> None:
+    report = audit(command, root)
+    assert (report.exit_status, report.exit_reason) == (status, reason)
+    assert (report.command_exit_code, report.command_signal) == (code, killed_by)
+
+
+# --- streams and the report ------------------------------------------------------------
+
+
+def test_the_commands_output_passes_through_untouched_and_the_report_never_joins_it(
+    root: Path, tmp_path: Path
+) -> None:
+    report = tmp_path / "audit.json"
+    command = "echo hello; echo err >&2; exit 5"
+    done = shmctl("audit", "--root", str(root), "--report", str(report), "--", "sh", "-c", command)
+    assert done.stdout == "hello\n"
+    assert done.stderr.startswith("err\nshmctl: audit: command-failed: "), done.stderr
+    assert done.stderr.count("\n") == 2  # the command's line and the summary's one
+    assert done.returncode == 5
+    doc = read_report(report)
+    assert doc["command"] == ["sh", "-c", command]
+    assert (doc["command_exit_code"], doc["command_signal"]) == (5, None)
+    assert (doc["exit_status"], doc["exit_reason"], doc["clean"]) == (5, "command-failed", True)
+
+
+def test_json_is_refused_with_a_pointer_to_report_and_nothing_runs(root: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    done = shmctl("audit", "--root", str(root), "--json", "--", "touch", str(marker))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("shmctl: error: --json: ")
+    assert done.stderr.count("\n") == 1
+    assert "fix: write it to a file with --report FILE" in done.stderr
+    assert not marker.exists()
+
+
+def _bad_output_path(kind: str, tmp_path: Path) -> tuple[str, str]:
+    """A ``--report``/``--junit`` value that cannot be written, and the text naming why."""
+    if kind == "stdout":
+        return "-", "'-' (stdout) is the command's own output"
+    if kind == "missing-directory":
+        return str(tmp_path / "no-such-dir" / "out"), f"{tmp_path / 'no-such-dir'} is not a directory"
+    if kind == "a-directory":
+        return str(tmp_path), f"{tmp_path} is a directory"
+    # sysfs takes no new file from anyone, root included: an unwritable directory anywhere.
+    return "/sys/kvtest-audit-report", "cannot create files in /sys"
+
+
+@pytest.mark.parametrize("option", ["--report", "--junit"])
+@pytest.mark.parametrize("kind", ["stdout", "missing-directory", "a-directory", "unwritable-directory"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_command_runs(
+    option: str, kind: str, root: Path, tmp_path: Path
+) -> None:
+    value, why = _bad_output_path(kind, tmp_path)
+    marker = root / "ran"
+    before = sorted(os.listdir(tmp_path))
+    done = shmctl("audit", "--root", str(root), option, value, "--", "touch", str(marker))
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.startswith(f"shmctl: error: {option}: {why}"), done.stderr
+    assert done.stderr.count("\n") == 1
+    assert "fix: " in done.stderr
+    assert os.listdir(root) == []
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_report_and_junit_on_one_file_are_refused(root: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = shmctl("audit", "--root", str(root), "--report", str(out), "--junit", str(out), "--", "true")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("shmctl: error: --junit: ")
+    assert not out.exists()
+
+
+def test_a_clean_run_is_one_line_a_valid_report_and_a_passing_junit_suite(root: Path, tmp_path: Path) -> None:
+    report, junit = tmp_path / "audit.json", tmp_path / "audit.xml"
+    done = shmctl("audit", "--root", str(root), "--report", str(report), "--junit", str(junit), "--", "true")
+    assert (done.returncode, done.stdout) == (0, "")
+    line = (
+        rf"shmctl: audit: clean: `true` exited 0, left nothing in {re.escape(str(root))} \([0-9.]+s\); exit 0"
+    )
+    assert re.fullmatch(line + "\n", done.stderr), done.stderr
+    doc = read_report(report)
+    assert (doc["schema_version"], doc["exit_status"], doc["exit_reason"]) == (1, 0, "clean")
+    assert (doc["leaked"], doc["leaked_deleted"], doc["reap_commands"]) == ([], [], [])
+    suite = read_junit(junit)
+    assert outcomes(suite) == [
+        ("shmctl.audit.command", "true", None),
+        (f"shmctl.audit.{root}", "left nothing", None),
+    ]
+
+
+def test_a_leak_exits_1_with_one_line_per_file_and_a_reap_command_that_removes_it(
+    engine_id: str, root: Path, tmp_path: Path
+) -> None:
+    report, junit = tmp_path / "audit.json", tmp_path / "audit.xml"
+    path = region(root, engine_id)
+    done = shmctl(
+        "audit", "--root", str(root), "--report", str(report), "--junit", str(junit), "--", *make_region(path)
+    )
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("shmctl: audit: leaked: ")
+    assert "left 1 region file and 0 mapped-but-deleted regions" in lines[0]
+    assert lines[1] == (
+        f"shmctl: audit:   {path.name}: 1048576 bytes (4096 resident), engine {engine_id}, orphaned, "
+        "holders: none"
+    )
+    reap = f"shmctl reap --root {root} --engine {engine_id} --grace 0 --yes"
+    assert lines[2:] == [f"shmctl: audit: remove orphans with: {reap}"]
+
+    doc = read_report(report)
+    assert (doc["exit_status"], doc["exit_reason"], doc["clean"]) == (1, "leaked", False)
+    assert [(e["path"], e["size_bytes"], e["status"]) for e in doc["leaked"]] == [
+        (str(path), 1 << 20, "orphaned")
+    ]
+    assert doc["leaked_resident_bytes"] == 4096
+    assert doc["reap_commands"] == [reap]
+
+    suite = read_junit(junit)
+    assert outcomes(suite) == [
+        ("shmctl.audit.command", shlex.join(make_region(path)).replace("\n", "\\n"), None),
+        (f"shmctl.audit.{root}", path.name, "leak"),
+    ]
+    failure = suite.findall("testcase")[1].find("failure")
+    assert failure is not None
+    assert failure.get("message") == "left 1048576 bytes (4096 resident), orphaned"
+    assert f"engine: {engine_id}" in (failure.text or "")
+
+    # The reap command the report gives does what it says.
+    reaped = run_shmctl(*shlex.split(reap)[1:])
+    assert reaped.returncode == 0, reaped.stderr
+    assert not path.exists()
+
+
+def test_a_failing_command_that_leaks_exits_with_its_own_code_and_the_report_records_both(
+    engine_id: str, root: Path, tmp_path: Path
+) -> None:
+    report, junit = tmp_path / "audit.json", tmp_path / "audit.xml"
+    path = region(root, engine_id)
+    done = shmctl(
+        "audit",
+        "--root",
+        str(root),
+        "--report",
+        str(report),
+        "--junit",
+        str(junit),
+        "--",
+        *make_region(path, 5),
+    )
+    assert (done.returncode, done.stdout) == (5, ""), done.stderr
+    assert done.stderr.startswith("shmctl: audit: command-failed: ")
+    assert "; exit 5 (the command's own status outranks the leak's 1)\n" in done.stderr
+    doc = read_report(report)
+    assert (doc["command_exit_code"], doc["exit_status"], doc["exit_reason"]) == (5, 5, "command-failed")
+    assert [e["path"] for e in doc["leaked"]] == [str(path)]
+    assert [kind for *_, kind in outcomes(read_junit(junit))] == ["command-failed", "leak"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV], ids=lambda s: signal.Signals(s).name)
+def test_a_command_killed_by_signal_n_exits_128_plus_n_and_the_report_names_the_signal(
+    signum: signal.Signals, root: Path, tmp_path: Path
+) -> None:
+    report, junit = tmp_path / "audit.json", tmp_path / "audit.xml"
+    kill = f"import os; os.kill(os.getpid(), {int(signum)})"
+    done = shmctl(
+        "audit",
+        "--root",
+        str(root),
+        "--report",
+        str(report),
+        "--junit",
+        str(junit),
+        "--",
+        sys.executable,
+        "-c",
+        kill,
+    )
+    name = signal.Signals(signum).name
+    assert (done.returncode, done.stdout) == (128 + signum, ""), done.stderr
+    assert done.stderr.startswith("shmctl: audit: command-killed: ")
+    assert f"was killed by {name}, left nothing" in done.stderr
+    doc = read_report(report)
+    assert (doc["command_exit_code"], doc["command_signal"]) == (None, name)
+    assert (doc["exit_status"], doc["exit_reason"]) == (128 + signum, "command-killed")
+    assert [kind for *_, kind in outcomes(read_junit(junit))] == ["command-killed", None]
+
+
+def test_a_daemon_the_command_left_holding_a_region_is_a_leak_named_with_its_holder(
+    engine_id: str, root: Path, tmp_path: Path
+) -> None:
+    report = tmp_path / "audit.json"
+    path, pid_file = region(root, engine_id), tmp_path / "daemon.pid"
+    with killed_after(pid_file):
+        command = [sys.executable, "-c", DAEMON, str(path), str(pid_file)]
+        done = shmctl("audit", "--root", str(root), "--report", str(report), "--", *command)
+        pid = int(pid_file.read_text())
+    assert done.returncode == 1, done.stderr
+    assert f"{path.name}: " in done.stderr
+    assert f", live, holders: pid {pid} (python: fd, map, lock)" in done.stderr
+    assert "files still held stay until their holders exit; reap them after" in done.stderr
+    doc = read_report(report)
+    (entry,) = doc["leaked"]
+    assert (entry["status"], entry["owner"]["pid"]) == ("live", pid)
+    assert [h["pid"] for h in entry["holders"]] == [pid]
+
+
+def test_a_deleted_region_a_leftover_process_maps_is_in_the_report(
+    engine_id: str, root: Path, tmp_path: Path
+) -> None:
+    report = tmp_path / "audit.json"
+    path = region(root, engine_id)
+    done = shmctl(
+        "audit",
+        "--root",
+        str(root),
+        "--report",
+        str(report),
+        "--",
+        sys.executable,
+        "-c",
+        LINGER,
+        str(path),
+        "20",
+    )
+    doc = read_report(report)
+    mine = [d for d in doc["leaked_deleted"] if d["engine_id"] == engine_id]
     try:
-        leak = shmctl("audit", "--json", "--", sys.executable, "-c", MAKE_REGION, str(path))
-        assert leak.returncode == 1, leak.stderr
-        doc = json.loads(leak.stdout)
-        assert doc["clean"] is False
-        assert [e["path"] for e in doc["leaked"]] == [str(path)]
+        assert done.returncode == 1, done.stderr
+        assert [(d["path"], d["mapped_bytes"]) for d in mine] == [(str(path), 1 << 20)]
+        assert f"{path.name} (deleted, still mapped): 1048576 bytes mapped" in done.stderr
     finally:
-        path.unlink(missing_ok=True)
-    clean = shmctl("audit", "--", "true")
-    assert (clean.returncode, clean.stdout) == (0, "")
-    assert "clean" in clean.stderr
-    failed = shmctl("audit", "--", "false")
-    assert failed.returncode == 3
-    missing = shmctl("audit", "--", "no-such-command-kvtest")
-    assert missing.returncode == 2
-    assert missing.stderr.count("\n") == 1
-    assert "not found" in missing.stderr
+        for d in mine:
+            os.kill(d["pid"], signal.SIGKILL)
+
+
+def test_a_name_with_a_control_character_and_a_non_utf8_byte_gives_well_formed_junit(
+    engine_id: str, root: Path, tmp_path: Path
+) -> None:
+    report, junit = tmp_path / "audit.json", tmp_path / "audit.xml"
+    raw = os.fsencode(root) + b"/vllm_offload_" + engine_id.encode() + b"\x1b\x01\xff.mmap"
+    done = shmctl(
+        "audit", "--root", str(root), "--report", str(report), "--junit", str(junit), "--", *make_region(raw)
+    )
+    assert done.returncode == 1, done.stderr
+    assert "\x1b" not in done.stderr
+    assert "\x01" not in done.stderr
+    escaped = f"vllm_offload_{engine_id}\\x1b\\x01\\udcff.mmap"
+    assert f"shmctl: audit:   {escaped}: 1048576 bytes" in done.stderr
+    # The JSON keeps the exact name: its bytes come back.
+    (entry,) = read_report(report)["leaked"]
+    assert os.fsencode(entry["path"]) == raw
+    suite = read_junit(junit)  # ET.parse: well-formed XML 1.0
+    assert [name for _, name, _ in outcomes(suite)][1:] == [escaped]
+    failure = suite.findall("testcase")[1].find("failure")
+    assert failure is not None
+    assert escaped in (failure.text or "")
+
+
+def test_the_outputs_replace_old_files_whole_and_leave_no_temp_file(root: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    report, junit = out / "audit.json", out / "audit.xml"
+    report.write_text("stale")
+    junit.write_text("stale")
+    done = shmctl("audit", "--root", str(root), "--report", str(report), "--junit", str(junit), "--", "true")
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(out)) == ["audit.json", "audit.xml"]
+    assert read_report(report)["exit_reason"] == "clean"
+    read_junit(junit)
+
+
+def test_a_command_that_is_not_found_is_a_usage_error_and_writes_no_report(
+    root: Path, tmp_path: Path
+) -> None:
+    report = tmp_path / "audit.json"
+    done = shmctl("audit", "--root", str(root), "--report", str(report), "--", "no-such-command-kvtest")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.count("\n") == 1
+    assert "not found" in done.stderr
+    assert os.listdir(tmp_path) == []
+
+
+# --- the schema ------------------------------------------------------------------------
+
+
+def _objects(node: Any, where: str = "#") -> Iterator[tuple[str, dict[str, Any]]]:
+    if isinstance(node, dict):
+        if node.get("type") == "object":
+            yield where, node
+        for key, value in node.items():
+            yield from _objects(value, f"{where}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _objects(value, f"{where}/{i}")
+
+
+def test_the_schema_closes_every_object_and_describes_every_field() -> None:
+    audit_schema = schema("audit")
+    assert audit_schema["$id"] == "urn:shmctl:schema:audit"
+    objects = list(_objects(audit_schema))
+    assert len(objects) == 1  # the report; its entries are scan's, by reference
+    for where, obj in objects:
+        assert obj.get("additionalProperties") is False, where
+        assert set(obj["required"]) == set(obj["properties"]), where
+        for name, field in obj["properties"].items():
+            assert field.get("description") or "$ref" in field, f"{where}/{name}"
+
+
+def test_the_schema_refuses_a_field_the_code_does_not_write(root: Path, tmp_path: Path) -> None:
+    report = tmp_path / "audit.json"
+    assert shmctl("audit", "--root", str(root), "--report", str(report), "--", "true").returncode == 0
+    doc = read_report(report)
+    with pytest.raises(jsonschema.ValidationError):
+        validate({**doc, "unexpected": 1}, "audit")
+    with pytest.raises(jsonschema.ValidationError):
+        validate({k: v for k, v in doc.items() if k != "exit_reason"}, "audit")

@@ -2,7 +2,7 @@
 
 A real ``shmctl`` gets a real signal. Ctrl-C prints one line and exits 130 wherever it lands;
 ``audit`` passes SIGINT, SIGTERM and SIGHUP on to the command it runs, waits for it, still
-reports, and exits 128 + the signal's number, leaving nothing running.
+writes its report and JUnit file, and exits 128 + the signal's number, leaving nothing running.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 import termios
 import threading
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ import pytest
 
 from kvoffload.liveness.audit import FORWARDED_SIGNALS, audit
 from tests.procs import REPO
+from tests.schemas import validate
 
 #: Records its pid, then waits; a forwarded signal is written down before it exits 7.
 TRAPPING_COMMAND = r"""
@@ -93,20 +95,40 @@ def test_a_signal_to_audit_is_passed_on_and_the_report_still_comes(
     signum: signal.Signals, root: Path, tmp_path: Path
 ) -> None:
     name = signal.Signals(signum).name
+    report, junit = tmp_path / "audit.json", tmp_path / "audit.xml"
     with _trapping_command(tmp_path) as (command, base):
         pid_file = base.with_suffix(".pid")
         # --settle 30s: a stopped audit reports at once instead of waiting it out.
-        with _shmctl("audit", "--root", str(root), "--json", "--settle", "30s", "--", *command) as shmctl:
+        argv = [
+            "audit",
+            "--root",
+            str(root),
+            "--report",
+            str(report),
+            "--junit",
+            str(junit),
+            "--settle",
+            "30s",
+        ]
+        with _shmctl(*argv, "--", *command) as shmctl:
             _wait_for("started the command", pid_file.exists, shmctl)
             pid = int(pid_file.read_text())
             shmctl.send_signal(signum)
             out, err = shmctl.communicate(timeout=20)
         assert "Traceback" not in err, err
         assert shmctl.returncode == 128 + signum, err
-        assert err == f"shmctl: error: interrupted by {name}: the command got it too and has exited\n"
-        report = json.loads(out)
-        assert report["interrupted_by"] == name
-        assert report["command_exit_code"] == 7
+        assert out == ""
+        summary, error = err.splitlines()
+        assert summary.startswith(f"shmctl: audit: interrupted: {name} stopped the audit and was passed on; ")
+        assert summary.endswith(f"; exit {128 + signum}")
+        assert error == f"shmctl: error: interrupted by {name}: the command got it too and has exited"
+        doc = json.loads(report.read_text())
+        validate(doc, "audit")
+        assert doc["interrupted_by"] == name
+        assert doc["command_exit_code"] == 7
+        assert (doc["exit_status"], doc["exit_reason"]) == (128 + signum, "interrupted")
+        suite = ET.parse(junit).getroot()
+        assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("2", "0", "1")
         assert base.with_suffix(".got").read_text() == f"{name.removeprefix('SIG')}\n"
         assert not _alive(pid)
     assert os.listdir(root) == []

@@ -1,9 +1,16 @@
 """``shmctl audit -- CMD ...``: run a command and fail if it left shared memory behind.
 
-Exit status: 0 nothing left (and the command succeeded), 1 leaks found, 2 usage,
-3 the command itself failed without leaking (its own exit code is in the report),
-128 + N when signal N (SIGINT 130, SIGTERM 143, SIGHUP 129) stopped the audit: the
-signal is passed on to the command, and the report of what it left still comes first.
+The command's stdout and stderr are its own; the report never shares a stream with them:
+``--report FILE`` writes the JSON document, ``--junit FILE`` a JUnit XML file, and a human
+summary goes to stderr after the command's output. ``--json`` is refused (it would mix the
+report into the command's stdout). The output paths are checked before the command runs, and
+the files are written whatever the command did: failed, leaked or stopped by a signal.
+
+Exit status (the report records it and why, ``exit_status`` and ``exit_reason``):
+128 + N when signal N (SIGINT 130, SIGTERM 143, SIGHUP 129) stopped the audit (it is passed
+on to the command, and the report of what it left still comes first); the command's own
+status when it failed (exit code N, or 128 + N when killed by signal N); else 1 if it
+leaked, else 0. 2: a usage error, and then nothing was run.
 """
 
 from __future__ import annotations
@@ -13,13 +20,25 @@ from typing import Annotated
 
 import typer
 
-from shmctl.commands.scan import DEFAULT_ROOT, JsonOption, RootOption
+from shmctl.commands.scan import DEFAULT_ROOT, RootOption
 
 
 def audit(
     command: Annotated[list[str], typer.Argument(metavar="-- COMMAND [ARGS]...", help="The command to run.")],
     root: RootOption = DEFAULT_ROOT,
-    json_output: JsonOption = False,
+    report_path: Annotated[
+        Path | None,
+        typer.Option("--report", metavar="FILE", help="Write the JSON report to FILE (atomically)."),
+    ] = None,
+    junit_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--junit", metavar="FILE", help="Write a JUnit XML file to FILE: one testcase per leak."
+        ),
+    ] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", hidden=True, help="Refused: the report goes to --report FILE.")
+    ] = False,
     settle: Annotated[
         str,
         typer.Option(
@@ -29,22 +48,28 @@ def audit(
         ),
     ] = "0s",
 ) -> None:
-    """Run COMMAND; fail (exit 1) if it leaves vllm_offload_* files or mapped-but-deleted regions."""
+    """Run COMMAND; fail if it leaves vllm_offload_* files or mapped-but-deleted regions."""
     from kvoffload.durations import parse_duration
+    from kvoffload.errors import ConfigError
     from kvoffload.liveness.audit import audit as run_audit
-    from shmctl.exit import ExitStatus
     from shmctl.render import audit as render
 
-    report = run_audit(command, Path(root), settle_s=parse_duration(settle, option="--settle"))
-    render.audit_report(report, json_output=json_output)
+    if json_output:
+        raise ConfigError(
+            "--json",
+            "would print the report on the command's own stdout",
+            fix="write it to a file with --report FILE",
+        )
+    settle_s = parse_duration(settle, option="--settle")
+    render.check_outputs(report_path, junit_path)
+    report = run_audit(command, Path(root), settle_s=settle_s)
+    render.print_summary(report)
+    render.write_outputs(report, report_path=report_path, junit_path=junit_path)
     if report.interrupted_by is not None:
         from shmctl.app import Interrupted
 
         raise Interrupted(report.interrupted_by, "the command got it too and has exited")
-    if not report.clean:
-        raise typer.Exit(ExitStatus.FINDINGS)
-    if report.command_exit_code != 0:
-        raise typer.Exit(ExitStatus.RUNTIME)
+    raise typer.Exit(report.exit_status)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,53 +1,304 @@
-"""Rendering of ``AuditReport``."""
+"""Rendering of ``AuditReport``: the summary on stderr, the JSON report, the JUnit XML.
+
+The command's stdout and stderr are its own: the machine-readable report never shares a
+stream with them. It goes to files (``--report``, ``--junit``) written whole or not at all
+(a temp file in the same directory, renamed over the name), and the human summary goes to
+stderr after the command's own output, the same on a terminal and in a pipe (CI logs).
+
+File names and arguments are whoever made them chose: every one is passed through
+``printable`` before it reaches the summary or the XML, which makes it safe for both (XML
+1.0 cannot hold control characters, nor the lone surrogates that stand for undecodable
+bytes). The JSON keeps the exact name: lone surrogates are written as their ``\\udcXX``
+escapes, so ``json.loads`` gives the name back.
+"""
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 import shlex
+import socket
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable
+from pathlib import Path
 
-from kvoffload.liveness.audit import AuditReport
-from shmctl.render import console, emit_json, human_bytes, printable
+from kvoffload.errors import ConfigError, KvOffloadError
+from kvoffload.liveness.audit import AuditReport, ExitReason
+from kvoffload.liveness.holders import DeletedMapping, Holder
+from kvoffload.liveness.scan import ScanEntry
+from shmctl.render import printable, to_jsonable
+
+PREFIX = "shmctl: audit: "
+SUITE = "shmctl audit"
 
 
-def audit_report(report: AuditReport, *, json_output: bool) -> None:
-    if json_output:
-        emit_json({**_fields(report), "clean": report.clean})
-        return
-    out = console(stderr=True)  # the command's own output owns stdout
-    command = printable(shlex.join(report.command), escape_backslash=False)
+# --- the summary on stderr -------------------------------------------------------------
+
+
+def summary_lines(report: AuditReport) -> list[str]:
+    """The human summary: one line when clean, else a headline, one line per leak, the fix."""
+    lines = [f"{PREFIX}{report.exit_reason}: {_headline(report)}"]
+    lines += [f"{PREFIX}  {_leak_line(e)}" for e in report.leaked]
+    lines += [f"{PREFIX}  {_deleted_line(d)}" for d in report.leaked_deleted]
+    lines += [
+        f"{PREFIX}remove orphans with: {printable(c, escape_backslash=False)}" for c in report.reap_commands
+    ]
+    if any(e.holders for e in report.leaked):
+        lines.append(f"{PREFIX}files still held stay until their holders exit; reap them after")
+    if report.leaked_deleted:
+        lines.append(f"{PREFIX}a deleted region is freed when the processes mapping it exit")
+    return lines
+
+
+def print_summary(report: AuditReport) -> None:
+    sys.stderr.write("".join(f"{line}\n" for line in summary_lines(report)))
+    sys.stderr.flush()
+
+
+def _command(report: AuditReport) -> str:
+    return printable(shlex.join(report.command), escape_backslash=False)
+
+
+def _how_it_ended(report: AuditReport) -> str:
+    if report.command_signal is not None:
+        return f"was killed by {report.command_signal}"
+    return f"exited {report.command_exit_code}"
+
+
+def _headline(report: AuditReport) -> str:
     if report.clean:
-        out.print(
-            f"shmctl audit: clean: `{command}` left no region in {report.root} "
-            f"(exit {report.command_exit_code}, {report.duration_s:.1f}s)",
-            markup=False,
+        left, extra = "left nothing", ""
+    else:
+        left = (
+            f"left {_count(len(report.leaked), 'region file')} and "
+            f"{_count(len(report.leaked_deleted), 'mapped-but-deleted region')}"
         )
-        return
-    out.print(
-        f"shmctl audit: LEAK: `{command}` left {len(report.leaked)} region file(s) and "
-        f"{len(report.leaked_deleted)} mapped-but-deleted region(s), "
-        f"{human_bytes(report.leaked_resident_bytes)} resident",
-        markup=False,
+        extra = f"{report.leaked_resident_bytes} bytes resident, "
+    sentence = (
+        f"`{_command(report)}` {_how_it_ended(report)}, {left} in {printable(str(report.root))} "
+        f"({extra}{report.duration_s:.1f}s); exit {report.exit_status}"
     )
-    for entry in report.leaked:
-        out.print(
-            f"  {entry.status}\t{printable(str(entry.path))}\t{human_bytes(entry.resident_bytes)}\t"
-            f"{printable(entry.reason)}",
-            markup=False,
-        )
-    for d in report.leaked_deleted:
-        out.print(
-            f"  deleted\t{printable(d.path)}\tpid {d.pid} ({printable(d.name)})\t"
-            f"{human_bytes(d.mapped_bytes)} mapped",
-            markup=False,
-        )
-    out.print(
-        f"  remove orphans with: shmctl reap --root {shlex.quote(str(report.root))} --grace 0s --yes",
-        markup=False,
+    if report.exit_reason is ExitReason.INTERRUPTED:
+        return f"{report.interrupted_by} stopped the audit and was passed on; {sentence}"
+    if not report.clean and report.exit_reason is not ExitReason.LEAKED:
+        return f"{sentence} (the command's own status outranks the leak's 1)"
+    return sentence
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _holders(holders: Iterable[Holder]) -> str:
+    named = [f"pid {h.pid} ({printable(h.name)}: {', '.join(h.via)})" for h in holders]
+    return "; ".join(named) or "none"
+
+
+def _leak_line(e: ScanEntry) -> str:
+    return (
+        f"{printable(e.name)}: {e.size_bytes} bytes ({e.resident_bytes} resident), "
+        f"engine {printable(e.engine_id)}, {e.status}, holders: {_holders(e.holders)}"
     )
 
 
-def _fields(report: AuditReport) -> dict[str, object]:
-    from shmctl.render import to_jsonable
+def _deleted_line(d: DeletedMapping) -> str:
+    holder = Holder(pid=d.pid, name=d.name, via=d.via)
+    return (
+        f"{printable(os.path.basename(d.path))} (deleted, still mapped): {d.mapped_bytes} bytes mapped, "
+        f"engine {printable(d.engine_id)}, holders: {_holders([holder])}"
+    )
 
+
+# --- the JSON report -------------------------------------------------------------------
+
+
+def report_document(report: AuditReport) -> dict[str, object]:
+    """The ``--report`` document: the report dataclass, serialised, and ``clean``."""
     data = to_jsonable(report)
     assert isinstance(data, dict)
-    return data
+    return {**data, "clean": report.clean}
+
+
+def report_json(report: AuditReport) -> bytes:
+    text = json.dumps(report_document(report), indent=2, ensure_ascii=False) + "\n"
+    # Lone surrogates (undecodable bytes of a name) become "\udcXX": their JSON escape.
+    return text.encode("utf-8", "backslashreplace")
+
+
+# --- the JUnit XML ---------------------------------------------------------------------
+
+
+def junit_xml(report: AuditReport) -> bytes:
+    """One ``<testsuite>``: a testcase for the command's exit status, then one per leak.
+
+    The command is its own testcase so that CI shows a failed command as a failure even when
+    it left nothing (and both, when it failed and leaked); a run that left nothing has one
+    passing testcase for the root, so the audit is seen to have run. A stopped audit is an
+    ``<error>``, not a ``<failure>``: the command never got to finish.
+    """
+    root = printable(str(report.root))
+    cases = [_command_case(report)]
+    cases += [_leak_case(report, e) for e in report.leaked]
+    cases += [_deleted_case(d, root) for d in report.leaked_deleted]
+    if report.clean:
+        cases.append(_case(f"shmctl.audit.{root}", "left nothing", 0.0))
+    failures = sum(1 for c in cases if c.find("failure") is not None)
+    errors = sum(1 for c in cases if c.find("error") is not None)
+    started = datetime.datetime.fromtimestamp(report.started_at, datetime.UTC)
+    suite = ET.Element(
+        "testsuite",
+        {
+            "name": SUITE,
+            "tests": str(len(cases)),
+            "failures": str(failures),
+            "errors": str(errors),
+            "skipped": "0",
+            "time": f"{report.duration_s:.3f}",
+            "timestamp": started.strftime("%Y-%m-%dT%H:%M:%S"),
+            "hostname": printable(socket.gethostname()),
+        },
+    )
+    properties = ET.SubElement(suite, "properties")
+    for name, value in (
+        ("schema_version", report.schema_version),
+        ("root", root),
+        ("command", _command(report)),
+        ("command_exit_code", report.command_exit_code),
+        ("command_signal", report.command_signal),
+        ("interrupted_by", report.interrupted_by),
+        ("exit_status", report.exit_status),
+        ("exit_reason", report.exit_reason),
+    ):
+        if value is not None:
+            ET.SubElement(properties, "property", {"name": name, "value": str(value)})
+    suite.extend(cases)
+    ET.indent(suite)
+    document: bytes = ET.tostring(suite, encoding="utf-8", xml_declaration=True)
+    return document + b"\n"
+
+
+def _case(classname: str, name: str, time_s: float) -> ET.Element:
+    return ET.Element("testcase", {"classname": classname, "name": name, "time": f"{time_s:.3f}"})
+
+
+def _fail(case: ET.Element, tag: str, kind: str, message: str, details: Iterable[str]) -> ET.Element:
+    outcome = ET.SubElement(case, tag, {"message": message, "type": kind})
+    outcome.text = "\n".join(details)
+    return case
+
+
+def _command_case(report: AuditReport) -> ET.Element:
+    case = _case("shmctl.audit.command", _command(report), report.duration_s)
+    ended = f"`{_command(report)}` {_how_it_ended(report)}"
+    details = [ended, f"exit status {report.exit_status} ({report.exit_reason})"]
+    if report.exit_reason is ExitReason.INTERRUPTED:
+        return _fail(case, "error", "interrupted", f"{report.interrupted_by} stopped the audit", details)
+    if report.command_signal is not None:
+        return _fail(case, "failure", "command-killed", ended, details)
+    if report.command_exit_code != 0:
+        return _fail(case, "failure", "command-failed", ended, details)
+    return case
+
+
+def _leak_case(report: AuditReport, e: ScanEntry) -> ET.Element:
+    case = _case(f"shmctl.audit.{printable(str(report.root))}", printable(e.name), 0.0)
+    message = f"left {e.size_bytes} bytes ({e.resident_bytes} resident), {e.status}"
+    details = [
+        f"path: {printable(str(e.path))}",
+        f"engine: {printable(e.engine_id)}",
+        f"segment: {e.segment}",
+        f"size: {e.size_bytes} bytes",
+        f"resident: {e.resident_bytes} bytes",
+        f"status: {e.status}: {printable(e.reason)}",
+        f"holders: {_holders(e.holders)}",
+        *(f"remove orphans with: {printable(c, escape_backslash=False)}" for c in report.reap_commands),
+    ]
+    return _fail(case, "failure", "leak", message, details)
+
+
+def _deleted_case(d: DeletedMapping, root: str) -> ET.Element:
+    name = f"{printable(os.path.basename(d.path))} (deleted, mapped by pid {d.pid})"
+    case = _case(f"shmctl.audit.{root}", name, 0.0)
+    message = f"deleted but still mapped: {d.mapped_bytes} bytes mapped by pid {d.pid}"
+    details = [
+        f"path: {printable(d.path)} (deleted)",
+        f"engine: {printable(d.engine_id)}",
+        f"mapped: {d.mapped_bytes} bytes",
+        f"holders: {_holders([Holder(pid=d.pid, name=d.name, via=d.via)])}",
+        "freed when the processes mapping it exit",
+    ]
+    return _fail(case, "failure", "leak", message, details)
+
+
+# --- the output files ------------------------------------------------------------------
+
+
+def check_output(path: Path | None, option: str) -> None:
+    """Refuse, before the command runs, a ``--report``/``--junit`` path that cannot be written.
+
+    A temp file is created and removed in the target directory: that directory exists and
+    takes new files (permissions, read-only mounts, a full inode table), which is what the
+    final rename needs. ``-`` is refused: stdout belongs to the command.
+    """
+    if path is None:
+        return
+    if str(path) == "-":
+        raise ConfigError(
+            option, "'-' (stdout) is the command's own output", fix=f"name a file, e.g. {option} audit.out"
+        )
+    if path.is_dir():
+        raise ConfigError(
+            option, f"{path} is a directory", fix=f"name a file in it, e.g. {path / 'audit.out'}"
+        )
+    directory = path.parent
+    if not directory.is_dir():
+        raise ConfigError(
+            option, f"{directory} is not a directory", fix="create it first, or name another file"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise ConfigError(
+            option, f"cannot create files in {directory}: {e.strerror or e}", fix="name a writable file"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_outputs(report: Path | None, junit: Path | None) -> None:
+    if report is not None and junit is not None and os.path.abspath(report) == os.path.abspath(junit):
+        raise ConfigError("--junit", f"{junit} is also the --report file", fix="give each its own file")
+    check_output(report, "--report")
+    check_output(junit, "--junit")
+
+
+def write_outputs(report: AuditReport, *, report_path: Path | None, junit_path: Path | None) -> None:
+    """Write the report and the JUnit file; a failure to write one still writes the other."""
+    failed: KvOffloadError | None = None
+    for path, option, render in ((report_path, "--report", report_json), (junit_path, "--junit", junit_xml)):
+        if path is None:
+            continue
+        try:
+            write_atomically(path, render(report))
+        except OSError as e:
+            failed = failed or KvOffloadError(
+                f"{option} {path}: cannot write: {e.strerror or e}", fix="free space or name another file"
+            )
+    if failed is not None:
+        raise failed
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` or what it held before, never part of it (temp file + rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
