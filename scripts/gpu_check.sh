@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The device check, for a machine with a GPU whose image has python3 with CUDA torch, typer,
-# rich, psutil and pytest (nothing is installed there). Runs the CUDA worker tests, the
-# cleanup contract and the engine tests, then real bring-ups with CUDA KV tensors.
+# The device check, for a machine with a GPU whose image has python3 with CUDA torch, numpy,
+# typer, rich, prometheus-client and pytest (nothing is installed there). Runs the CUDA worker
+# tests, the cleanup contract and the engine tests, then real bring-ups with CUDA KV tensors.
 # Results go to $OUT (or /tmp/gpu-check).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -24,4 +24,6 @@ PY
 python3 -m shmctl init --kv-transfer-config "$C" --model llama-3-8b --world-size 2 --fail-at worker --rank 1 --fail-mode oserror:EFAULT >"$OUT/fail.txt" 2>&1
 echo "fault at worker on rank 1: exit $? (0 = contract held)"
 tail -n 3 "$OUT/fail.txt"
-ls /dev/shm | grep -c vllm_offload_ || true
+shopt -s nullglob
+left=(/dev/shm/vllm_offload_*)
+echo "region files left in /dev/shm: ${#left[@]}"
