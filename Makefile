@@ -8,7 +8,12 @@ STAMP  := $(VENV)/.installed
 # so a plain `torch` requirement never pulls a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test check lint typecheck pytest demo bench completions clean
+# Where `make install-units` puts the systemd units, and the shmctl their ExecStart runs.
+UNITDIR ?= /etc/systemd/system
+SHMCTL  ?= $(shell command -v shmctl)
+SHELL_SCRIPTS := scripts/*.sh deploy/docker/entrypoint.sh .ci/run
+
+.PHONY: venv test check lint typecheck pytest demo bench completions man install-units clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +25,13 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: venv
-	$(BIN)/ruff check kvoffload shmctl tests bench
-	$(BIN)/ruff format --check kvoffload shmctl tests bench
+	$(BIN)/ruff check kvoffload shmctl tests bench scripts
+	$(BIN)/ruff format --check kvoffload shmctl tests bench scripts
+	$(BIN)/shellcheck $(SHELL_SCRIPTS)
 
 typecheck: venv
 	$(BIN)/mypy
+	$(BIN)/mypy --strict scripts/gen_manpage.py
 
 check: lint typecheck
 
@@ -43,6 +50,15 @@ completions: venv
 	for sh in bash zsh fish; do \
 	  _TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION=1 $(BIN)/shmctl --show-completion $$sh > completions/shmctl.$$sh; \
 	done
+
+# The man page is generated from the CLI's own command tree; tests/test_packaging.py fails when
+# the committed page differs from what this writes.
+man: venv
+	$(BIN)/python scripts/gen_manpage.py -o man/shmctl.1
+
+# Renders ExecStart with the shmctl given (default: the one on PATH); enables nothing.
+install-units:
+	sh scripts/install-units.sh --shmctl "$(SHMCTL)" --dest "$(DESTDIR)$(UNITDIR)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage .hypothesis *.egg-info
