@@ -232,3 +232,82 @@ def _steady(doc: dict[str, object]) -> dict[str, object]:
     entries = doc["entries"]
     assert isinstance(entries, list)
     return doc | {"scanned_at": 0, "entries": [e | {"age_s": 0} for e in entries]}
+
+
+def _commands() -> list[str]:
+    from typer.main import get_command
+
+    from shmctl.app import app
+
+    group = get_command(app)
+    assert hasattr(group, "commands")
+    return sorted(group.commands)
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_help_shows_words_for_metavars_never_click_type_names(command: str) -> None:
+    done = shmctl(command, "--help", env={"COLUMNS": "200"})
+    assert done.returncode == 0
+    for click_name in ("<int", "<float", "INTEGER", "FLOAT", "TEXT", "BOOLEAN", "{--"):
+        assert click_name not in done.stdout, f"{command} --help shows {click_name}"
+
+
+def test_model_help_lists_every_preset() -> None:
+    from kvoffload.presets import PRESETS
+
+    text = " ".join(shmctl("init", "--help", env={"COLUMNS": "400"}).stdout.split())
+    assert all(name in text for name in PRESETS)
+
+
+def test_a_dry_run_with_a_fault_says_it_injects_nothing(root: Path) -> None:
+    extra = {"cpu_bytes_to_use": 8 << 20}
+    config = json.dumps(
+        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    )
+    done = shmctl(
+        "init", "--root", str(root), "-n", "--kv-bytes-per-block", "65536",
+        "--kv-transfer-config", config, "--fail-at", "region.populate",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == (
+        "shmctl: note: a dry run injects nothing: --fail-at region.populate was checked and is shown "
+        "in the plan, not fired; drop --dry-run to inject it\n"
+    )
+    assert os.listdir(root) == []
+
+
+def test_a_real_init_shows_progress_on_a_terminal_from_the_first_moment(root: Path) -> None:
+    pytest.importorskip("torch")
+    extra = {"cpu_bytes_to_use": 8 << 20}
+    config = json.dumps(
+        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    )
+    leader, follower = pty.openpty()
+    argv = ["init", "--root", str(root), "--kv-bytes-per-block", "65536", "--kv-transfer-config", config]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmctl", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "NO_COLOR"} | {"TERM": "xterm", "COLUMNS": "120"},
+    )
+    os.close(follower)
+    seen = b""
+    while True:
+        ready, _, _ = select.select([leader], [], [], 60)
+        if not ready:
+            break
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert b"starting 1 worker(s) and the scheduler" in seen
+    assert b"starting" not in out  # progress never reaches the report on stdout
+    assert os.listdir(root) == []

@@ -195,7 +195,9 @@ def test_the_cli_reports_the_kept_files_the_reason_and_the_reap_command_and_exit
         }
     else:
         lines = out.splitlines()
-        assert f"{holder.path}\tlive\t{reason}" in lines
+        assert [line.split(None, 2) for line in lines if line.startswith(str(holder.path))] == [
+            [str(holder.path), "live", reason]
+        ]
         assert f"  {command}" in lines
         assert any(
             line.startswith("matrix stopped after 1 of 2 cells, before worker x crash: ") for line in lines

@@ -19,6 +19,7 @@ from typing import Annotated
 
 import typer
 
+from kvoffload.presets import PRESETS
 from shmctl.commands.scan import DEFAULT_ROOT, AssumeOption, JsonOption, RootOption
 
 
@@ -51,7 +52,8 @@ def init(
         ),
     ] = None,
     world_size: Annotated[
-        int, typer.Option("--world-size", min=1, help="Workers (tensor x pipeline parallel size).")
+        int,
+        typer.Option("--world-size", min=1, metavar="N", help="Workers (tensor x pipeline parallel size)."),
     ] = 1,
     kv_bytes_per_block: Annotated[
         int | None,
@@ -67,12 +69,15 @@ def init(
         typer.Option(
             "--model",
             metavar="PRESET",
-            help="Compute --kv-bytes-per-block for a well-known model (see kvoffload/presets.py).",
+            help=f"Compute --kv-bytes-per-block for a well-known model: {' | '.join(PRESETS)}.",
             autocompletion=_complete_presets,
         ),
     ] = None,
     gpu_block_size: Annotated[
-        int, typer.Option("--gpu-block-size", min=1, help="Tokens per GPU block (vLLM --block-size).")
+        int,
+        typer.Option(
+            "--gpu-block-size", min=1, metavar="TOKENS", help="Tokens per GPU block (vLLM --block-size)."
+        ),
     ] = 16,
     replicated_layout: Annotated[
         bool | None,
@@ -125,7 +130,7 @@ def init(
         ),
     ] = None,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed for P% modes (printed when chosen).")
+        int | None, typer.Option("--seed", metavar="N", help="Seed for P% modes (printed when chosen).")
     ] = None,
     matrix: Annotated[
         bool, typer.Option("--matrix", help="Every stage x every raise-type mode, a fresh bring-up per cell.")
@@ -182,6 +187,8 @@ def init(
     if dry_run:
         the_plan = engine.plan(config)
         engine.build_fault_plan(the_plan, fail_at or (), modes[0] if modes else "raise", target, seed)
+        if fail_at:
+            render.dry_run_injects_nothing(fail_at)
         render.plan(the_plan, json_output=json_output)
         raise typer.Exit(ExitStatus.OK if the_plan.capacity.fits else ExitStatus.FINDINGS)
 
@@ -203,7 +210,8 @@ def init(
             raise typer.Exit(ExitStatus.FINDINGS)
         raise typer.Exit(ExitStatus.RUNTIME if report.failed or report.stopped else ExitStatus.OK)
 
-    with render.progress(json_output=json_output) as on_progress:
+    starting = f"starting {world_size} worker(s) and the scheduler for engine {config.engine_id}"
+    with render.progress(json_output=json_output, starting=starting) as on_progress:
         result = engine.bring_up(
             config,
             fail_at=fail_at or (),

@@ -74,11 +74,6 @@ def token(text: str) -> str:
     return printable(text).replace(" ", "\\x20")
 
 
-def plain_output() -> bool:
-    """True when output should be plain text: not a terminal, NO_COLOR, or TERM=dumb."""
-    return not sys.stdout.isatty() or bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
-
-
 def color_enabled(stream: IO[str] | None = None) -> bool:
     """Colour only for a terminal, and never under ``NO_COLOR`` (any value but empty) or ``TERM=dumb``."""
     target = sys.stdout if stream is None else stream
@@ -155,13 +150,14 @@ def console(*, stderr: bool = False) -> Console:
         def on_broken_pipe(self) -> None:
             raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
-    plain = plain_output()
+    stream = sys.stderr if stderr else sys.stdout
+    terminal = bool(getattr(stream, "isatty", None) and stream.isatty()) and os.environ.get("TERM") != "dumb"
     return _Console(
         stderr=stderr,
-        no_color=plain,
+        no_color=not color_enabled(stream),
         highlight=False,
-        soft_wrap=plain,
-        force_terminal=None if not plain else False,
+        soft_wrap=True,
+        force_terminal=None if terminal else False,
     )
 
 

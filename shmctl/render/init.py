@@ -1,10 +1,11 @@
 """Rendering of ``shmctl init``: the plan, the bring-up report, the matrix, and live progress.
 
 JSON is the library's dataclass serialised (``InitPlan``, ``InitReport``, ``MatrixReport``).
-On a terminal the sections are rich tables; otherwise (a pipe, ``NO_COLOR``) each section
-is a ``# title`` line followed by tab-separated rows, for grep and awk. Names (engine ids,
-paths, error messages) are arbitrary strings, so nothing is ever read as rich markup.
-Progress bars appear only on a terminal.
+Each section is a ``# title`` line and rows under aligned columns (``write_table``): the
+same on a terminal and in a pipe, colour aside. Names (engine ids, paths, error messages)
+are arbitrary strings: their control characters are escapes, and nothing is ever read as
+markup. Progress (a spinner from the first moment, then populate bars) goes to stderr, and
+only when stderr is a terminal.
 """
 
 from __future__ import annotations
@@ -14,11 +15,19 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from shmctl.render import console, emit_json, human_bytes, plain_output, printable, warning_line
+from shmctl.render import (
+    Column,
+    color_enabled,
+    console,
+    emit_json,
+    human_bytes,
+    printable,
+    styled,
+    warning_line,
+    write_table,
+)
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
     from kvoffload.engine import InitPlan, InitReport, LiveEngine, MatrixCell, MatrixReport, ProgressEvent
     from kvoffload.engine.report import ErrorInfo, KeptFile, MatrixStop, Residue, StageResult
 
@@ -48,22 +57,10 @@ def warnings(lines: Sequence[str]) -> None:
 # ----------------------------------------------------------------- sections
 
 
-def _section(out: Console, title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    if plain_output():
-        # Written verbatim: rich would expand the tabs that cut and awk split on.
-        _write(f"# {title}")
-        for row in rows:
-            _write("\t".join(_cell(v) for v in row))
-        return
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(title=title, title_justify="left", show_edge=False)
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*(v if isinstance(v, Text) else Text(_cell(v)) for v in row))
-    out.print(table)
+def _section(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """``# title`` and the rows under aligned columns: the same on a terminal and in a pipe."""
+    _write(f"# {title}", "bold")
+    write_table([Column(c.upper()) for c in columns], [[_cell(v) for v in row] for row in rows])
 
 
 def _cell(value: object) -> str:
@@ -79,34 +76,22 @@ def _fields(text: str) -> str:
     return "\t".join(printable(field, escape_backslash=False) for field in text.split("\t"))
 
 
-def _write(text: str) -> None:
+def _write(text: str, style: str | None = None) -> None:
     # Engine ids and paths may carry control characters: one report line stays one line.
-    sys.stdout.write(_fields(text) + "\n")
+    sys.stdout.write(styled(_fields(text), style, color=color_enabled()) + "\n")
 
 
-def _line(out: Console, text: str, style: str | None = None) -> None:
-    if plain_output():
-        _write(text)
-        return
-    text = _fields(text)
-    if style is None:
-        out.print(text, markup=False, highlight=False)
-        return
-    from rich.text import Text
-
-    out.print(Text(text, style=style))
+def _line(text: str, style: str | None = None) -> None:
+    _write(text, style)
 
 
-def _command(out: Console, command: str) -> None:
-    """A shell command to copy, indented, on one line even on a narrow terminal.
+def _command(command: str) -> None:
+    """A shell command to copy, indented, on one line however narrow the terminal.
 
-    It is built shell-quoted in visible characters (``bringup.shell_word``), so it is
-    printed as it is: a line rich wrapped would paste as two commands.
+    It is built shell-quoted in visible characters (``bringup.shell_word``) and written
+    as it is: a line wrapped by a renderer would paste as two commands.
     """
-    if plain_output():
-        _write(f"  {command}")
-        return
-    out.print(f"  {_fields(command)}", markup=False, highlight=False, soft_wrap=True)
+    _write(f"  {command}")
 
 
 def _bytes(n: int | None) -> str:
@@ -120,16 +105,13 @@ def plan(the_plan: InitPlan, *, json_output: bool) -> None:
     if json_output:
         emit_json(the_plan)
         return
-    out = console()
     p = the_plan
     _line(
-        out,
         f"plan: {p.spec}, engine {p.engine_id}, world size {p.world_size}, lifetime {p.lifetime} "
         "(dry run: nothing allocated)",
     )
     g, s = p.geometry, p.sizing
     _section(
-        out,
         "sizing (vLLM's names)",
         ("figure", "value"),
         [
@@ -146,7 +128,6 @@ def plan(the_plan: InitPlan, *, json_output: bool) -> None:
         ],
     )
     _section(
-        out,
         f"files ({len(p.files)}); path: {p.path_lifetime}",
         ("path", "segment", "offset", "bytes"),
         [(f.path, f.segment, f.offset, _bytes(f.bytes)) for f in p.files],
@@ -159,7 +140,6 @@ def plan(the_plan: InitPlan, *, json_output: bool) -> None:
     if layout.scheduler_populate_bytes:
         rows.append(("scheduler", "whole rows", _bytes(layout.scheduler_populate_bytes)))
     _section(
-        out,
         f"worker slots: {layout.rows} rows x {layout.row_bytes} bytes; slot {layout.slot_bytes} bytes"
         f" x {layout.copies} cop{'y' if layout.copies == 1 else 'ies'}; padding {layout.padding} bytes/row",
         ("participant", "bytes of every row", "pre-faults"),
@@ -167,7 +147,6 @@ def plan(the_plan: InitPlan, *, json_output: bool) -> None:
     )
     if p.tiers:
         _section(
-            out,
             "tiers (creation order)",
             ("tier", "type", "chunks", "bytes", "options"),
             [
@@ -182,7 +161,6 @@ def plan(the_plan: InitPlan, *, json_output: bool) -> None:
             ],
         )
     _section(
-        out,
         "stages (in order; --fail-at takes these names)",
         ("stage", "phase", "runs in", "what fails there"),
         [
@@ -199,13 +177,12 @@ def plan(the_plan: InitPlan, *, json_output: bool) -> None:
     fs = f" ({c.fs_type})" if c.fs_type else ""
     verdict = "fits" if c.fits else "DOES NOT FIT"
     _line(
-        out,
         f"capacity: {c.root}{fs}: {human_bytes(c.free_bytes)} free of {human_bytes(c.mount_bytes)}, "
         f"{human_bytes(c.needed_bytes)} needed: {verdict}",
         "green" if c.fits else "bold red",
     )
     if c.fix:
-        _line(out, f"fix: {c.fix}", "yellow")
+        _line(f"fix: {c.fix}", "yellow")
 
 
 def _options(options: dict[str, Any]) -> str:
@@ -216,22 +193,38 @@ def _options(options: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def progress(*, json_output: bool) -> Iterator[Callable[[ProgressEvent], None] | None]:
-    """A rich progress bar per participant's populate, on a terminal only (never in JSON mode)."""
-    if json_output or plain_output():
+def progress(*, json_output: bool, starting: str = "") -> Iterator[Callable[[ProgressEvent], None] | None]:
+    """Live progress on a terminal's stderr (never in JSON mode, never in a pipe).
+
+    ``starting`` shows at once, with a spinner and the elapsed time: spawning the
+    participants and importing torch take seconds before the first populate bar.
+    """
+    if json_output or not sys.stderr.isatty():
         yield None
         return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     bars: dict[str, Any] = {}
     with Progress(
+        SpinnerColumn(),
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
         TimeRemainingColumn(),
-        console=console(),
+        TimeElapsedColumn(),
+        console=console(stderr=True),
         transient=True,
     ) as bar:
+        if starting:
+            bar.add_task(printable(starting, escape_backslash=False), total=None)
 
         def update(event: ProgressEvent) -> None:
             key = f"{event.participant} {event.stage}"
@@ -240,6 +233,16 @@ def progress(*, json_output: bool) -> Iterator[Callable[[ProgressEvent], None] |
             bar.update(bars[key], completed=event.done, total=event.total)
 
         yield update
+
+
+def dry_run_injects_nothing(points: Sequence[str]) -> None:
+    """``--dry-run --fail-at X``: the fault is parsed and planned, never fired. Say so."""
+    shown = " ".join(f"--fail-at {p}" for p in points)
+    warning_line(
+        f"a dry run injects nothing: {shown} was checked and is shown in the plan, not fired; "
+        "drop --dry-run to inject it",
+        note=True,
+    )
 
 
 def announce_hold(live: LiveEngine) -> None:
@@ -264,7 +267,6 @@ def init_report(report: InitReport, *, json_output: bool) -> None:
     if json_output:
         emit_json(report)
         return
-    out = console()
     r = report
     fault = ""
     if r.fault is not None:
@@ -272,17 +274,14 @@ def init_report(report: InitReport, *, json_output: bool) -> None:
         seed = f", seed {r.fault.seed}" if r.fault.seed is not None else ""
         fault = f"; fault {r.fault.mode} at {', '.join(r.fault.stages)} in {r.fault.target} ({fired}{seed})"
     _line(
-        out,
         f"engine {r.engine_id}: {r.spec}, world size {r.world_size}, lifetime {r.lifetime}, "
         f"device {r.device or '-'}{fault}",
     )
-    plain = plain_output()
-    columns = ("participant", "stage", "start", "time", "bytes", "result", "detail")
-    # The points each stage passed are long; a terminal table shows where a failure happened.
+    # The points each stage passed are long: last, where a terminal may wrap them.
+    columns = ("participant", "stage", "start", "time", "bytes", "result", "detail", "points passed")
     _section(
-        out,
         "stages",
-        (*columns, "points passed") if plain else columns,
+        columns,
         [
             (
                 s.participant,
@@ -292,18 +291,17 @@ def init_report(report: InitReport, *, json_output: bool) -> None:
                 human_bytes(s.bytes) if s.bytes else "-",
                 _result(s),
                 s.detail,
-                *((" ".join(s.points) or "-",) if plain else ()),
+                " ".join(s.points) or "-",
             )
             for s in r.stages
         ],
     )
     if r.error is not None:
-        _line(out, "error: " + _error_text(r.error), "green" if r.error.injected else "bold red")
+        _line("error: " + _error_text(r.error), "green" if r.error.injected else "bold red")
         for other in r.errors:
             if other is not r.error and other != r.error:
-                _line(out, "  also: " + _error_text(other))
+                _line("  also: " + _error_text(other))
     _section(
-        out,
         "cleanup (in the order it ran)",
         ("at", "participant", "step", "result"),
         [
@@ -313,33 +311,30 @@ def init_report(report: InitReport, *, json_output: bool) -> None:
     )
     if r.held_after_release:
         _section(
-            out,
             "still held after release (the kernel frees these with the process)",
             ("participant", "kind", "target"),
             [(h.participant, h.kind, h.target) for h in r.held_after_release],
         )
     if r.logs:
         _section(
-            out,
             "participant warnings",
             ("at", "participant", "level", "message"),
             [(f"{line.at_s:.3f}s", line.participant, line.level, line.message) for line in r.logs],
         )
-    _residue(out, r.residue, r.root, r.engine_id)
+    _residue(r.residue, r.root, r.engine_id)
     if r.crash is not None:
         c = r.crash
         killed = f"; SIGKILLed with it: {', '.join(c.killed)}" if c.killed else ""
-        _line(out, f"crash: {c.participant} (pid {c.pid}) died, exit status {c.exit_code}{killed}")
+        _line(f"crash: {c.participant} (pid {c.pid}) died, exit status {c.exit_code}{killed}")
         if c.orphans and c.reap_command:
-            _line(out, "these files are orphans now; remove them with:", "yellow")
-            _command(out, c.reap_command)
+            _line("these files are orphans now; remove them with:", "yellow")
+            _command(c.reap_command)
         elif c.why_nothing_left:
-            _line(out, c.why_nothing_left)
+            _line(c.why_nothing_left)
     if r.held_s is not None:
-        _line(out, f"held for {r.held_s:.1f}s")
+        _line(f"held for {r.held_s:.1f}s")
     verdict = str(r.verdict)
     _line(
-        out,
         f"verdict: {verdict}: {VERDICT_TEXT.get(verdict, '')} ({r.duration_s:.2f}s)",
         VERDICT_STYLE.get(verdict),
     )
@@ -361,12 +356,11 @@ def _error_text(e: ErrorInfo) -> str:
     return f"{e.type}: {e.message} ({e.participant}, {e.stage}, {how}){notes}"
 
 
-def _residue(out: Console, residue: Residue, root: object, engine_id: str) -> None:
+def _residue(residue: Residue, root: object, engine_id: str) -> None:
     if not residue.paths:
-        _line(out, f"residue: none ({root} holds no file of engine {engine_id})", "green")
+        _line(f"residue: none ({root} holds no file of engine {engine_id})", "green")
         return
     _section(
-        out,
         f"residue: {len(residue.paths)} file(s), {human_bytes(residue.bytes)} resident",
         ("path", "size", "resident"),
         [(f.path, _bytes(f.size_bytes), _bytes(f.resident_bytes)) for f in residue.files],
@@ -378,8 +372,8 @@ def _residue(out: Console, residue: Residue, root: object, engine_id: str) -> No
 
 @contextlib.contextmanager
 def matrix_progress(*, json_output: bool) -> Iterator[Callable[[MatrixCell, int, int], None] | None]:
-    """One bar over the cells on a terminal; nothing otherwise."""
-    if json_output or plain_output():
+    """One bar over the cells on a terminal's stderr; nothing otherwise."""
+    if json_output or not sys.stderr.isatty():
         yield None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -390,7 +384,7 @@ def matrix_progress(*, json_output: bool) -> Iterator[Callable[[MatrixCell, int,
         MofNCompleteColumn(),
         TextColumn("{task.description}"),
         TimeElapsedColumn(),
-        console=console(),
+        console=console(stderr=True),
         transient=True,
     ) as bar:
         task = bar.add_task("", total=None)
@@ -405,98 +399,61 @@ def matrix(report: MatrixReport, *, json_output: bool) -> None:
     if json_output:
         emit_json(report)
         return
-    out = console()
     r = report
     _line(
-        out,
         f"fault matrix: {r.spec}, world size {r.world_size}, lifetime {r.lifetime}, root {r.root}, "
         f"target {r.target}",
     )
-    cells = {(c.stage, c.mode): c for c in r.cells}
-    if plain_output():
-        _section(
-            out,
-            "cells",
-            ("stage", "mode", "verdict", "result", "leaked_bytes", "error"),
-            [
-                (
-                    c.stage,
-                    c.mode,
-                    str(c.verdict),
-                    "pass" if c.passed else "FAIL",
-                    c.residue.bytes,
-                    _short_error(c.error),
-                )
-                for c in r.cells
-            ],
-        )
-    else:
-        from rich.table import Table
-        from rich.text import Text
-
-        table = Table(title="stage x mode", title_justify="left", show_edge=False)
-        table.add_column("stage")
-        for mode in r.modes:
-            table.add_column(mode)
-        for stage in r.stages:
-            row: list[Text] = [Text(stage)]
-            for mode in r.modes:
-                cell = cells.get((stage, mode))
-                row.append(_matrix_cell(cell))
-            table.add_row(*row)
-        out.print(table)
+    _section(
+        "cells",
+        ("stage", "mode", "verdict", "result", "leaked_bytes", "error"),
+        [
+            (
+                c.stage,
+                c.mode,
+                str(c.verdict),
+                "pass" if c.passed else "FAIL",
+                c.residue.bytes,
+                _short_error(c.error),
+            )
+            for c in r.cells
+        ],
+    )
     for c in r.cells:
         if c.orphans:
             status = ", ".join(c.scan_status) or "-"
             _line(
-                out,
                 f"crash at {c.stage}: left {len(c.orphans)} file(s); scan said {status}; "
                 f"reap removed {len(c.reaped)}",
             )
         if c.kept:
-            _kept(out, f"kept by the reap after the crash at {c.stage}", c.kept, c.reap_command)
+            _kept(f"kept by the reap after the crash at {c.stage}", c.kept, c.reap_command)
     if r.stopped is not None:
-        _stopped(out, r.stopped, len(r.cells))
+        _stopped(r.stopped, len(r.cells))
     style = "green" if not r.failed and r.stopped is None else "bold red"
     not_run = f", {r.stopped.not_run} not run" if r.stopped is not None else ""
     _line(
-        out,
         f"{r.passed} passed, {r.failed} failed, {r.leaked} leaked{not_run}: "
         f"{len(r.cells)} cells in {r.duration_s:.1f}s",
         style,
     )
 
 
-def _kept(out: Console, title: str, kept: Sequence[KeptFile], reap_command: str | None) -> None:
-    _section(out, title, ("path", "status", "reason"), [(k.path, k.status, k.reason) for k in kept])
+def _kept(title: str, kept: Sequence[KeptFile], reap_command: str | None) -> None:
+    _section(title, ("path", "status", "reason"), [(k.path, k.status, k.reason) for k in kept])
     if reap_command:
-        _line(out, "remove them, once that reason is gone, with:", "yellow")
-        _command(out, reap_command)
+        _line("remove them, once that reason is gone, with:", "yellow")
+        _command(reap_command)
 
 
-def _stopped(out: Console, stop: MatrixStop, ran: int) -> None:
+def _stopped(stop: MatrixStop, ran: int) -> None:
     _line(
-        out,
         f"matrix stopped after {ran} of {ran + stop.not_run} cells, before {stop.stage} x {stop.mode}: "
         f"{stop.message}",
         "bold red",
     )
     if stop.capacity is not None and stop.capacity.fix:
-        _line(out, f"fix: {stop.capacity.fix}", "yellow")
-
-
-def _matrix_cell(cell: MatrixCell | None) -> Any:
-    from rich.text import Text
-
-    if cell is None:
-        return Text("-")
-    if cell.leaked:
-        return Text(f"LEAK {human_bytes(cell.residue.bytes)}", style="bold red")
-    if not cell.passed:
-        return Text(f"FAIL {cell.error.type if cell.error else cell.verdict}", style="bold red")
-    if str(cell.verdict) == "not-fired":
-        return Text("not fired", style="yellow")
-    return Text("pass" + (" (reaped)" if cell.reaped else ""), style="green")
+        _line(f"fix: {stop.capacity.fix}", "yellow")
 
 
 def _short_error(error: ErrorInfo | None) -> str:
