@@ -24,7 +24,9 @@ from shmctl.commands.scan import DEFAULT_ROOT, RootOption
 
 
 def audit(
-    command: Annotated[list[str], typer.Argument(metavar="-- COMMAND [ARGS]...", help="The command to run.")],
+    command: Annotated[
+        list[str], typer.Argument(metavar="[--] COMMAND [ARGS]...", help="The command to run.")
+    ],
     root: RootOption = DEFAULT_ROOT,
     report_path: Annotated[
         Path | None,
