@@ -40,14 +40,40 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _encode_default(value: Any) -> Any:
+    """What the C encoder cannot write itself: dataclasses, non-str enums, paths, sets.
+
+    Field names are looked up once per class; str and int enums (``Status``, ``Evidence``)
+    and tuples are already JSON to the encoder, so a 10,000-file scan makes no reflection
+    call per field.
+    """
+    cls = type(value)
+    names = _FIELDS.get(cls)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
+        return {name: getattr(value, name) for name in names}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    raise TypeError(f"{cls.__name__} is not JSON serialisable")
+
+
+def dumps(document: Any, *, pretty: bool = False) -> str:
+    """``document`` as JSON text: one line (the C encoder), or indented for a person."""
+    if pretty:
+        return json.dumps(document, indent=2, ensure_ascii=False, default=_encode_default)
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False, default=_encode_default)
+
+
 def emit_json(document: Any) -> None:
-    pretty = sys.stdout.isatty()
-    text = json.dumps(
-        to_jsonable(document),
-        indent=2 if pretty else None,
-        separators=None if pretty else (",", ":"),
-        ensure_ascii=False,
-    )
+    text = dumps(document, pretty=sys.stdout.isatty())
     # A file name that is not UTF-8 reaches us as lone surrogates (os.listdir's surrogateescape),
     # which no stdout can encode. "\udcff" is their JSON escape: json.loads gives the name back.
     sys.stdout.write(text.encode("utf-8", "backslashreplace").decode("utf-8") + "\n")
