@@ -541,9 +541,9 @@ def test_audit_reports_a_leaked_file_with_control_characters_on_escaped_lines(
     assert "\x1b" not in done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 3  # the verdict, the leaked file, how to remove it
-    assert lines[0].startswith("shmctl audit: LEAK: ")
-    assert lines[1].split()[0] in (Status.UNKNOWN, Status.ORPHANED)
-    assert "-\\x1b[2J\\nforged.mmap " in lines[1]
+    assert lines[0].startswith("shmctl: audit: leaked: ")
+    assert lines[1].startswith(f"shmctl: audit:   vllm_offload_{engine_id}-\\x1b[2J\\nforged.mmap: 0 bytes ")
+    assert lines[1].split(", ")[2] in (Status.UNKNOWN, Status.ORPHANED)
     path.unlink()
 
 

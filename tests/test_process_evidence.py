@@ -113,7 +113,7 @@ reuser = subprocess.Popen(["sleep", "60"])
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import scan
 e = scan(root, grace_s=0).entries[0]
-removed = reap(root, grace_s=0, filters=ReapFilter(owner_pid=creator.pid)).removed
+removed = reap(root, grace_s=0, filters=ReapFilter(owner_pids=(creator.pid,))).removed
 reuser.kill()
 reuser.wait()
 print(json.dumps({

@@ -75,7 +75,7 @@ import json, os, sys
 from kvoffload.liveness.reap import ReapFilter, reap
 print(os.getpid(), flush=True)
 sys.stdin.readline()
-report = reap(sys.argv[1], grace_s=0, filters=ReapFilter(engine_id=sys.argv[2]))
+report = reap(sys.argv[1], grace_s=0, filters=ReapFilter.exactly(sys.argv[2]))
 outcome = {"removed": [e.name for e in report.removed], "kept": [e.reason for e in report.kept]}
 print(json.dumps(outcome), flush=True)
 """

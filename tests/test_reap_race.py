@@ -186,7 +186,7 @@ for i in range(int(iterations)):
     os.close(fd)
     k, delay_ns = rng.randint(1, 2), rng.randint(0, int(max_delay_ns))
     assert ask(f"arm {path} {k} {delay_ns}") == "armed\n"
-    report = reap(root, grace_s=0, filters=ReapFilter(engine_id=engine_id), proc_root=Path(proc_root))
+    report = reap(root, grace_s=0, filters=ReapFilter.exactly(engine_id), proc_root=Path(proc_root))
     seen = json.loads(ask("check"))
     side = reaped(report.removed, [e.reason for e in report.kept], report.summary.live)
     openers[seen["outcome"]] += 1
