@@ -193,6 +193,11 @@ def size_text(n: int, *, exact: bool) -> str:
     return str(n) if exact else human_bytes(n).replace(" ", "")
 
 
+def amount_text(n: int, *, exact: bool) -> str:
+    """A size in a sentence: ``1.0 MiB``, or ``1048576 bytes`` under ``--bytes``."""
+    return f"{n} bytes" if exact else human_bytes(n)
+
+
 def human_bytes(n: int | float) -> str:
     """1536 -> '1.5 KiB'; exact bytes below 1 KiB."""
     value = float(n)

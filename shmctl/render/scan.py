@@ -24,6 +24,7 @@ from kvoffload.liveness.scan import Evidence, ScanEntry, ScanReport, ScanSummary
 from shmctl.render import (
     Cell,
     Column,
+    amount_text,
     color_enabled,
     emit_json,
     human_age,
@@ -132,8 +133,8 @@ def summary_line(summary: ScanSummary, root: object, *, exact: bool = False) -> 
     line = f"{summary.total} region file(s) in {printable(str(root))}: {counts}"
     if summary.orphaned:
         line += (
-            f"; orphans pin {size_text(summary.orphaned_resident_bytes, exact=exact)} "
-            f"({size_text(summary.orphaned_size_bytes, exact=exact)} apparent); `shmctl reap` removes them"
+            f"; orphans pin {amount_text(summary.orphaned_resident_bytes, exact=exact)} "
+            f"({amount_text(summary.orphaned_size_bytes, exact=exact)} apparent); `shmctl reap` removes them"
         )
     return line
 
@@ -293,7 +294,7 @@ def _filter_notes(report: ReapReport, filters_text: str, *, exact: bool) -> str:
         return ""
     left = report.filtered_out
     return (
-        f"; {len(left)} orphaned file(s) ({size_text(sum(e.resident_bytes for e in left), exact=exact)} "
+        f"; {len(left)} orphaned file(s) ({amount_text(sum(e.resident_bytes for e in left), exact=exact)} "
         f"resident) do not match {filters_text or 'the filters'} and stay"
     )
 
@@ -318,7 +319,7 @@ def reap_report(
     if rows:
         write_table(REAP_COLUMNS, rows, headers=headers)
     files = len(report.removed)
-    freed = size_text(report.freed_bytes, exact=exact_bytes)
+    freed = amount_text(report.freed_bytes, exact=exact_bytes)
     if not files and not report.kept:
         if report.filtered_out:
             line = "nothing to reap" + _filter_notes(report, filters_text, exact=exact_bytes)
