@@ -58,7 +58,7 @@ from kvoffload.engine.report import (
     Verdict,
     measure_residue,
 )
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, KvOffloadError
 
 #: Test-only switch: ``worker`` or ``scheduler`` exits without releasing what it holds.
 SKIP_RELEASE_ENV = "KVOFFLOAD_INIT_SKIP_RELEASE"
@@ -97,6 +97,22 @@ class LiveEngine:
     path_lifetime: str
 
 
+def require_torch() -> None:
+    """Refuse a real bring-up before any process starts when torch is missing.
+
+    Workers need torch for their KV cache; without this check they would start, create the
+    region and fail at ``kv_cache``, a multi-line report for what is an installation fact.
+    ``find_spec`` looks without importing (torch takes seconds to import).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise KvOffloadError(
+            "torch is not installed: a real init brings up workers, which need it for their KV cache",
+            fix="pip install 'shmctl[torch]' (scan, reap, audit, metrics and init --dry-run work without it)",
+        )
+
+
 def bring_up(
     config: OffloadingConfig,
     *,
@@ -130,6 +146,7 @@ def bring_up(
         raise ConfigError(SKIP_RELEASE_ENV, f"{skip!r} is neither 'worker' nor 'scheduler'")
     if idle_timeout_s <= 0:
         raise ConfigError("idle_timeout_s", f"must be positive, got {idle_timeout_s:g}")
+    require_torch()
     run = _BringUp(
         config,
         the_plan,

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from kvoffload.config import OffloadingConfig
-from kvoffload.engine.bringup import DEFAULT_IDLE_TIMEOUT_S, bring_up
+from kvoffload.engine.bringup import DEFAULT_IDLE_TIMEOUT_S, bring_up, require_torch
 from kvoffload.engine.faultplan import FailMode, Target, build_fault_plan
 from kvoffload.engine.plan import CapacityError, check_capacity, plan, size_text
 from kvoffload.engine.report import (
@@ -67,6 +67,7 @@ def run_matrix(
     ``stopped`` says why the matrix ended early, when it did.
     """
     the_plan = plan(config)
+    require_torch()
     names = tuple(stages) if stages else tuple(s.name for s in the_plan.stages)
     parsed = [m if isinstance(m, FailMode) else FailMode.parse(m) for m in modes]
     if include_crash and not any(m.kind == "crash" for m in parsed):
