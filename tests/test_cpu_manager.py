@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +18,7 @@ from kvoffload.base import (
     make_offload_key,
 )
 from kvoffload.cpu.manager import CPUOffloadingManager
+from kvoffload.cpu.policies import Eviction, LRUCachePolicy
 from kvoffload.errors import ConfigError, KvOffloadError
 
 
@@ -156,6 +159,63 @@ def test_manager_without_chunks_cannot_store_anything() -> None:
     assert out.keys_to_store == []
 
 
+def test_a_load_stepped_over_by_an_eviction_is_evicted_next_once_it_completes() -> None:
+    manager = CPUOffloadingManager(3)
+    stored(manager, 0, 1, 2)
+    manager.prepare_load(keys(0))  # a load without a touch (a tier copying the chunk out)
+    assert prepared(manager, 3).evicted_keys == keys(1)
+    manager.complete_load(keys(0))
+    assert prepared(manager, 4).evicted_keys == keys(0)
+
+
+def test_a_write_stepped_over_by_an_eviction_is_evicted_next_once_it_completes() -> None:
+    manager = CPUOffloadingManager(3)
+    prepared(manager, 0)
+    stored(manager, 1, 2)
+    assert prepared(manager, 3).evicted_keys == keys(1)
+    manager.complete_store(keys(0))
+    assert prepared(manager, 4).evicted_keys == keys(0)
+
+
+class CountingPolicy(LRUCachePolicy):
+    """Loaded by name from this module: counts the evictions the manager asks for."""
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.evict_calls = 0
+
+    def evict(self, n: int, protected: Set[OffloadKey]) -> Eviction | None:
+        self.evict_calls += 1
+        return super().evict(n, protected)
+
+
+def counting_manager(num_chunks: int) -> tuple[CPUOffloadingManager, CountingPolicy]:
+    manager = CPUOffloadingManager(num_chunks, "CountingPolicy", "tests.test_cpu_manager")
+    policy = manager._policy
+    assert isinstance(policy, CountingPolicy)
+    return manager, policy
+
+
+def test_a_store_the_held_chunks_leave_no_room_for_is_refused_without_asking_the_policy() -> None:
+    manager, policy = counting_manager(100)
+    stored(manager, *range(100))
+    manager.prepare_load(keys(*range(99)))
+    assert manager.prepare_store(keys(100, 101)) is None
+    assert policy.evict_calls == 0
+    assert prepared(manager, 100).evicted_keys == keys(99)
+    assert policy.evict_calls == 1
+
+
+def test_the_keys_of_a_store_do_not_count_as_room_for_it() -> None:
+    manager, policy = counting_manager(2)
+    stored(manager, 0, 1)
+    manager.prepare_load(keys(1))
+    # Key 0 is evictable, but it is part of this store.
+    assert manager.prepare_store(keys(0, 2)) is None
+    assert policy.evict_calls == 0
+    assert manager.lookup(key(0)) is LookupResult.HIT
+
+
 # ---------------------------------------------------------------- loads
 
 
@@ -185,6 +245,28 @@ def test_completing_a_load_that_was_never_prepared_is_refused() -> None:
     stored(manager, 0)
     with pytest.raises(KvOffloadError, match="not pinned"):
         manager.complete_load(keys(0))
+
+
+def test_completing_more_loads_of_a_key_than_were_prepared_is_refused() -> None:
+    manager = CPUOffloadingManager(1)
+    stored(manager, 0)
+    manager.prepare_load(keys(0))
+    with pytest.raises(KvOffloadError, match="not pinned"):
+        manager.complete_load(keys(0, 0))
+    # Atomic: the one load still pins the chunk.
+    assert manager.prepare_store(keys(1)) is None
+    manager.complete_load(keys(0))
+    assert prepared(manager, 1).evicted_keys == keys(0)
+
+
+def test_a_key_listed_twice_in_a_load_is_pinned_twice() -> None:
+    manager = CPUOffloadingManager(1)
+    stored(manager, 0)
+    manager.prepare_load(keys(0, 0))
+    manager.complete_load(keys(0))
+    assert manager.prepare_store(keys(1)) is None
+    manager.complete_load(keys(0))
+    assert prepared(manager, 1).evicted_keys == keys(0)
 
 
 def test_each_load_pins_until_its_own_completion() -> None:
@@ -314,3 +396,5 @@ def test_no_chunk_is_ever_shared_and_none_is_lost(ops: list[tuple[str, int]]) ->
         chunks = [status.chunk_id for status in held if status is not None]
         assert len(chunks) == len(set(chunks))
         assert len(chunks) + manager.num_free_chunks == 4
+        # The count that lets a full pool refuse a store at once is the true one.
+        assert manager._num_evictable == sum(1 for s in held if s is not None and s.ref_cnt == 0)

@@ -110,6 +110,71 @@ def test_touching_a_request_keeps_its_first_block_longest(policy_cls: type[Cache
     assert evicted_keys(policy, 4) == [3, 2, 1, 0]
 
 
+def pin(policy: CachePolicy, i: int, ref_cnt: int = 1) -> ChunkStatus:
+    status = policy.get(key(i))
+    assert status is not None
+    status.ref_cnt = ref_cnt
+    return status
+
+
+def test_a_held_chunk_stepped_over_by_an_eviction_is_oldest_again_when_released(
+    policy_cls: type[CachePolicy],
+) -> None:
+    policy = filled(policy_cls, 4)
+    pin(policy, 0)
+    assert evicted_keys(policy, 1) == [1]
+    pin(policy, 0, ref_cnt=0)
+    policy.mark_evictable(key(0))
+    assert evicted_keys(policy, 2) == [0, 2]
+
+
+def test_a_chunk_released_without_the_hook_is_still_evicted(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 3)
+    pin(policy, 0)
+    assert evicted_keys(policy, 1) == [1]
+    pin(policy, 0, ref_cnt=0)  # no mark_evictable: a caller that sets ref_cnt itself
+    assert sorted(evicted_keys(policy, 2)) == [0, 2]
+    assert len(policy) == 0
+
+
+def test_a_pending_chunk_stepped_over_keeps_its_key_and_status(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 2)
+    pending = ChunkStatus(7)
+    policy.insert(key(7), pending)
+    pin(policy, 0, ref_cnt=-1)
+    assert evicted_keys(policy, 1) == [1]
+    assert policy.evict(1, frozenset()) is None
+    assert policy.get(key(7)) is pending
+    assert len(policy) == 2
+    policy.remove(key(0))
+    assert policy.get(key(0)) is None
+    assert len(policy) == 1
+
+
+def test_touching_a_stepped_over_chunk_makes_it_the_most_recent(policy_cls: type[CachePolicy]) -> None:
+    policy = filled(policy_cls, 3)
+    pin(policy, 0)
+    assert evicted_keys(policy, 1) == [1]
+    pin(policy, 0, ref_cnt=0)
+    policy.touch([key(0)])
+    assert evicted_keys(policy, 2) == [2, 0]
+
+
+def test_evictions_take_the_oldest_evictable_chunks_while_many_are_held(
+    policy_cls: type[CachePolicy],
+) -> None:
+    policy = filled(policy_cls, 1000)
+    for i in range(500):
+        pin(policy, i)
+    assert evicted_keys(policy, 10) == list(range(500, 510))
+    assert evicted_keys(policy, 10) == list(range(510, 520))
+    # Released youngest first: each returns ahead of the others, so the oldest leaves first.
+    for i in range(499, -1, -1):
+        pin(policy, i, ref_cnt=0)
+        policy.mark_evictable(key(i))
+    assert evicted_keys(policy, 3) == [0, 1, 2]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     ops=st.lists(
@@ -134,10 +199,14 @@ def test_policies_evict_only_ready_unpinned_unprotected_keys(
             policy.insert(k, model[k])
         elif op == "ready" and k in model and model[k].ref_cnt == -1:
             model[k].ref_cnt = 0
+            if i % 2:  # the hook is a hint: eviction must be right with or without it
+                policy.mark_evictable(k)
         elif op == "pin" and k in model and model[k].ref_cnt >= 0:
             model[k].ref_cnt += 1
         elif op == "unpin" and k in model and model[k].ref_cnt > 0:
             model[k].ref_cnt -= 1
+            if model[k].ref_cnt == 0 and i % 2:
+                policy.mark_evictable(k)
         elif op == "touch":
             policy.touch([k])
         elif op == "remove" and k in model:

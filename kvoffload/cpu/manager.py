@@ -69,6 +69,9 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy = policy_cls(cache_capacity=num_chunks)
         self._next_fresh_chunk = 0
         self._free_chunks: list[int] = []
+        # Chunks with ref_cnt 0: a store that needs more than these (less its own keys)
+        # is refused without asking the policy, which would walk every held chunk to say no.
+        self._num_evictable = 0
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         # Keys asked to be stored fewer than store_threshold times, with their counts.
         self._store_requests: OrderedDict[OffloadKey, int] | None = (
@@ -123,7 +126,11 @@ class CPUOffloadingManager(OffloadingManager):
         pending = [key.hex() for key, status in zip(keys, statuses, strict=True) if not status.is_ready]
         if pending:
             raise KvOffloadError(f"prepare_load: keys still being written: {', '.join(pending[:4])}")
-        for status in statuses:
+        policy = self._policy
+        for key, status in zip(keys, statuses, strict=True):
+            if status.ref_cnt == 0:
+                self._num_evictable -= 1
+                policy.mark_non_evictable(key)
             status.ref_cnt += 1
         return CPULoadStoreSpec(status.chunk_id for status in statuses)
 
@@ -132,11 +139,23 @@ class CPUOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         statuses = [self._status(key, "complete_load") for key in keys]
-        unpinned = [key.hex() for key, status in zip(keys, statuses, strict=True) if status.ref_cnt <= 0]
-        if unpinned:
-            raise KvOffloadError(f"complete_load: keys not pinned by a load: {', '.join(unpinned[:4])}")
-        for status in statuses:
+        freed: list[OffloadKey] = []  # keys whose last load this is
+        for i, (key, status) in enumerate(zip(keys, statuses, strict=True)):
             status.ref_cnt -= 1
+            if status.ref_cnt == 0:
+                freed.append(key)
+            elif status.ref_cnt < 0:
+                # Not pinned, or listed more often than it was loaded: undo, all or nothing.
+                for undone in statuses[: i + 1]:
+                    undone.ref_cnt += 1
+                unpinned = [k.hex() for k, s in zip(keys, statuses, strict=True) if s.ref_cnt <= 0]
+                raise KvOffloadError(
+                    f"complete_load: keys not pinned by a load: {', '.join((unpinned or [key.hex()])[:4])}"
+                )
+        policy = self._policy
+        for key in freed:
+            policy.mark_evictable(key)
+        self._num_evictable += len(freed)
 
     # ----------------------------------------------------------------- stores
 
@@ -159,13 +178,21 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None
     ) -> PrepareStoreOutput | None:
-        new_keys = [key for key in dict.fromkeys(keys) if self._policy.get(key) is None]
+        new_keys: list[OffloadKey] = []
+        protected_evictable = 0  # keys of this store that are stored and evictable
+        for key in dict.fromkeys(keys):
+            status = self._policy.get(key)
+            if status is None:
+                new_keys.append(key)
+            elif status.ref_cnt == 0:
+                protected_evictable += 1
         keys_to_store = self._admit(new_keys)
         evicted_keys: list[OffloadKey] = []
         shortfall = len(keys_to_store) - self.num_free_chunks
         if shortfall > 0:
             # Never evict a key of this very store: the caller is about to rely on it.
-            evicted = self._policy.evict(shortfall, protected=frozenset(keys))
+            enough = shortfall <= self._num_evictable - protected_evictable
+            evicted = self._policy.evict(shortfall, protected=frozenset(keys)) if enough else None
             if evicted is None:
                 if self._store_requests is not None:
                     # They earned their place; the pool being full is not their fault.
@@ -175,6 +202,7 @@ class CPUOffloadingManager(OffloadingManager):
             for key, status in evicted:
                 self._free_chunks.append(status.chunk_id)
                 evicted_keys.append(key)
+            self._num_evictable -= len(evicted)
             self._emit(evicted_keys, removed=True)
         chunk_ids = self._allocate(len(keys_to_store))
         for key, chunk_id in zip(keys_to_store, chunk_ids, strict=True):
@@ -191,8 +219,11 @@ class CPUOffloadingManager(OffloadingManager):
             if status is not None and status.ref_cnt == WRITE_PENDING:
                 finished.append((key, status))
         if success:
-            for _, status in finished:
+            policy = self._policy
+            for key, status in finished:
                 status.ref_cnt = 0
+                policy.mark_evictable(key)
+            self._num_evictable += len(finished)
             self._emit((key for key, _ in finished), removed=False)
             return
         for key, status in finished:

@@ -94,11 +94,19 @@ class CachePolicy(ABC):
         """Hook for policies that rank by request; the built-in ones do not."""
         return None
 
+    def mark_evictable(self, key: OffloadKey) -> None:
+        """Hook: ``key``'s chunk just became evictable (its write completed, its last load did).
 
-def _evictable(
-    entries: Iterable[tuple[OffloadKey, ChunkStatus]], protected: Set[OffloadKey]
-) -> Iterator[tuple[OffloadKey, ChunkStatus]]:
-    return ((key, chunk) for key, chunk in entries if chunk.is_evictable and key not in protected)
+        The manager calls it; eviction still checks ``ref_cnt`` itself. The built-in
+        policies use it to give a chunk that an eviction stepped over while it was held
+        its place back: without the call it stays evictable, but only after every chunk
+        that was never stepped over.
+        """
+        return None
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        """Hook: ``key``'s chunk was just pinned by a load. A hint, like ``mark_evictable``."""
+        return None
 
 
 def _touch_order(keys: Iterable[OffloadKey]) -> list[OffloadKey]:
@@ -108,39 +116,141 @@ def _touch_order(keys: Iterable[OffloadKey]) -> list[OffloadKey]:
     return list(keys)[::-1]
 
 
+class _EvictionOrder:
+    """One recency list, least recent first, where an eviction steps over a held chunk once.
+
+    An eviction walks the list from its old end. A chunk it may not take (write pending
+    or pinned) would be stepped over again by every later eviction, which makes each
+    eviction cost as much as the chunks held at the old end: a long load of cold
+    blocks, or chunks pinned while a secondary tier copies them, made it O(pool). So the
+    walk parks held chunks aside. A parked chunk is still older than every chunk left
+    in the list (the walk only parks from the old end), so the list's true order is
+    "parked, then listed"; a parked chunk returns to the old end when ``release`` says it
+    became evictable, and to the recent end when it is used (``move_to_end``).
+
+    Among chunks released that way the last released is the oldest; all of them stay
+    older than every chunk that was listed when they were parked. ``release`` is an
+    optimisation, not a condition: ``reclaim`` finds parked chunks that
+    became evictable without one (a caller that sets ``ref_cnt`` itself), and ``evict``
+    calls it before giving up.
+    """
+
+    __slots__ = ("listed", "parked")
+
+    def __init__(self) -> None:
+        self.listed: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
+        self.parked: dict[OffloadKey, ChunkStatus] = {}  # in the order they were parked
+
+    def __len__(self) -> int:
+        return len(self.listed) + len(self.parked)
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        """Least recent first."""
+        yield from self.parked
+        yield from self.listed
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        chunk = self.listed.get(key)
+        if chunk is None and self.parked:
+            chunk = self.parked.get(key)
+        return chunk
+
+    def pop(self, key: OffloadKey) -> ChunkStatus | None:
+        chunk = self.listed.pop(key, None)
+        if chunk is None and self.parked:
+            chunk = self.parked.pop(key, None)
+        return chunk
+
+    def append(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        """Add ``key`` as the most recent (it must not be in the list)."""
+        self.listed[key] = chunk
+
+    def move_to_end(self, key: OffloadKey) -> bool:
+        """Make ``key`` the most recent; False if it is not in the list."""
+        if key in self.listed:
+            self.listed.move_to_end(key)
+            return True
+        chunk = self.parked.pop(key, None) if self.parked else None
+        if chunk is None:
+            return False
+        self.listed[key] = chunk
+        return True
+
+    def release(self, key: OffloadKey) -> None:
+        """``key`` became evictable: a parked key returns to the old end."""
+        if self.parked:
+            chunk = self.parked.pop(key, None)
+            if chunk is not None:
+                self.listed[key] = chunk
+                self.listed.move_to_end(key, last=False)
+
+    def reclaim(self) -> None:
+        """Return every parked key that became evictable to the old end, oldest first."""
+        ready = [(key, chunk) for key, chunk in self.parked.items() if chunk.ref_cnt == 0]
+        for key, chunk in reversed(ready):
+            del self.parked[key]
+            self.listed[key] = chunk
+            self.listed.move_to_end(key, last=False)
+
+    def candidates(self, n: int, protected: Set[OffloadKey]) -> Eviction:
+        """Up to ``n`` evictable entries, oldest first, without removing them.
+
+        Held chunks met on the way are parked. Protected ones stay listed: they are at
+        most the keys of one store, and evictable again after it.
+        """
+        found: Eviction = []
+        held: list[OffloadKey] = []
+        if n > 0:
+            for key, chunk in self.listed.items():
+                if chunk.ref_cnt != 0:
+                    held.append(key)
+                elif key not in protected:
+                    found.append((key, chunk))
+                    if len(found) == n:
+                        break
+        for key in held:
+            self.parked[key] = self.listed.pop(key)
+        return found
+
+    def clear(self) -> None:
+        self.listed.clear()
+        self.parked.clear()
+
+
 class LRUCachePolicy(CachePolicy):
     """Least recently used first."""
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self._chunks: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()  # least recent first
+        self._chunks = _EvictionOrder()
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self._chunks.get(key)
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
-        self._chunks[key] = chunk
-        self._chunks.move_to_end(key)
+        self._chunks.pop(key)
+        self._chunks.append(key, chunk)
 
     def remove(self, key: OffloadKey) -> None:
-        self._chunks.pop(key, None)
+        self._chunks.pop(key)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         for key in _touch_order(keys):
-            if key in self._chunks:
-                self._chunks.move_to_end(key)
+            self._chunks.move_to_end(key)
 
     def evict(self, n: int, protected: Set[OffloadKey]) -> Eviction | None:
-        victims: Eviction = []
-        for entry in _evictable(self._chunks.items(), protected):
-            if len(victims) == n:
-                break
-            victims.append(entry)
+        victims = self._chunks.candidates(n, protected)
         if len(victims) < n:
-            return None
+            self._chunks.reclaim()
+            victims = self._chunks.candidates(n, protected)
+            if len(victims) < n:
+                return None
         for key, _ in victims:
-            del self._chunks[key]
+            del self._chunks.listed[key]
         return victims
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._chunks.release(key)
 
     def clear(self) -> None:
         self._chunks.clear()
@@ -160,8 +270,8 @@ class ARCCachePolicy(CachePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self._t1: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
-        self._t2: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
+        self._t1 = _EvictionOrder()
+        self._t2 = _EvictionOrder()
         self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
         self.target_t1_size = 0.0
@@ -175,32 +285,31 @@ class ARCCachePolicy(CachePolicy):
             delta = max(1.0, len(self._b2) / len(self._b1))
             self.target_t1_size = min(self.target_t1_size + delta, float(self.cache_capacity))
             del self._b1[key]
-            self._t2[key] = chunk
+            self._t2.append(key, chunk)
         elif key in self._b2:
             delta = max(1.0, len(self._b1) / len(self._b2))
             self.target_t1_size = max(self.target_t1_size - delta, 0.0)
             del self._b2[key]
-            self._t2[key] = chunk
+            self._t2.append(key, chunk)
         else:
-            self._t1[key] = chunk
+            self._t1.append(key, chunk)
         self._trim_ghosts()
 
     def remove(self, key: OffloadKey) -> None:
-        self._t1.pop(key, None)
-        self._t2.pop(key, None)
+        if self._t1.pop(key) is None:
+            self._t2.pop(key)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         for key in _touch_order(keys):
-            chunk = self._t1.pop(key, None)
+            chunk = self._t1.pop(key)
             if chunk is not None:
-                self._t2[key] = chunk
-            elif key in self._t2:
+                self._t2.append(key, chunk)
+            else:
                 self._t2.move_to_end(key)
 
-    def evict(self, n: int, protected: Set[OffloadKey]) -> Eviction | None:
-        # Plan first, mutate after: the eviction must be all or nothing.
-        from_t1 = _evictable(self._t1.items(), protected)
-        from_t2 = _evictable(self._t2.items(), protected)
+    def _plan(self, n: int, protected: Set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus, bool]] | None:
+        from_t1 = iter(self._t1.candidates(n, protected))
+        from_t2 = iter(self._t2.candidates(n, protected))
         next_t1, next_t2 = next(from_t1, None), next(from_t2, None)
         t1_size = len(self._t1)
         plan: list[tuple[OffloadKey, ChunkStatus, bool]] = []  # (key, chunk, came from T1)
@@ -214,15 +323,30 @@ class ARCCachePolicy(CachePolicy):
                 next_t2 = next(from_t2, None)
             else:
                 return None
+        return plan
+
+    def evict(self, n: int, protected: Set[OffloadKey]) -> Eviction | None:
+        # Plan first, mutate after: the eviction must be all or nothing.
+        plan = self._plan(n, protected)
+        if plan is None:
+            self._t1.reclaim()
+            self._t2.reclaim()
+            plan = self._plan(n, protected)
+            if plan is None:
+                return None
         for key, _, in_t1 in plan:
             if in_t1:
-                del self._t1[key]
+                del self._t1.listed[key]
                 self._b1[key] = None
             else:
-                del self._t2[key]
+                del self._t2.listed[key]
                 self._b2[key] = None
         self._trim_ghosts()
         return [(key, chunk) for key, chunk, _ in plan]
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._t1.release(key)
+        self._t2.release(key)
 
     def _trim_ghosts(self) -> None:
         # ARC's bounds: |T1| + |B1| <= c and the four lists together <= 2c.
@@ -233,8 +357,10 @@ class ARCCachePolicy(CachePolicy):
             self._b2.popitem(last=False)
 
     def clear(self) -> None:
-        for entries in (self._t1, self._t2, self._b1, self._b2):
-            entries.clear()
+        self._t1.clear()
+        self._t2.clear()
+        self._b1.clear()
+        self._b2.clear()
         self.target_t1_size = 0.0
 
     def __len__(self) -> int:
