@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
-import select
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import REPO, Child, leave_orphan, region_path
+from tests.terminal import on_a_terminal
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -37,42 +36,6 @@ def shmctl(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complete
         cwd=REPO,
         env=environ,
     )
-
-
-def on_a_terminal(*argv: str, env: dict[str, str] | None = None, columns: int = 80) -> tuple[int, str, str]:
-    """``shmctl argv`` with stdout on a pseudo-terminal ``columns`` wide; stderr stays a pipe."""
-    leader, follower = pty.openpty()
-    environ = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
-    environ |= {"COLUMNS": str(columns), "LINES": "50", "TERM": "xterm-256color"} | (env or {})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shmctl", *argv],
-        stdin=subprocess.DEVNULL,
-        stdout=follower,
-        stderr=subprocess.PIPE,
-        cwd=REPO,
-        env=environ,
-    )
-    os.close(follower)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([leader], [], [], 0.1)
-        if ready:
-            try:
-                data = os.read(leader, 65536)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-        elif proc.poll() is not None:
-            break
-    os.close(leader)
-    assert proc.stderr is not None
-    err = proc.stderr.read().decode()
-    proc.stderr.close()
-    # The terminal's line discipline turns "\n" into "\r\n"; nothing else changes the bytes.
-    return proc.wait(30), b"".join(chunks).decode().replace("\r\n", "\n"), err
 
 
 @pytest.fixture
@@ -96,24 +59,24 @@ def test_a_terminal_and_a_pipe_get_the_same_columns_and_rows(
     root: Path, three_regions: dict[str, Path]
 ) -> None:
     piped = shmctl("scan", "--root", str(root), "--grace", "0")
-    code, shown, err = on_a_terminal("scan", "--root", str(root), "--grace", "0")
-    assert (code, err) == (piped.returncode, piped.stderr) == (1, "")
-    assert "\x1b[" in shown  # colour on the terminal...
+    shown = on_a_terminal("scan", "--root", str(root), "--grace", "0")
+    assert (shown.code, shown.err) == (piped.returncode, piped.stderr) == (1, "")
+    assert "\x1b[" in shown.text  # colour on the terminal...
     assert "\x1b" not in piped.stdout  # ...and none in the pipe
-    assert ANSI.sub("", shown) == piped.stdout
+    assert shown.plain == piped.stdout
 
 
 def test_no_color_removes_colour_and_nothing_else(root: Path, three_regions: dict[str, Path]) -> None:
     piped = shmctl("scan", "--root", str(root), "--grace", "0")
-    code, shown, _ = on_a_terminal("scan", "--root", str(root), "--grace", "0", env={"NO_COLOR": "1"})
-    assert code == 1
-    assert shown == piped.stdout
+    shown = on_a_terminal("scan", "--root", str(root), "--grace", "0", env={"NO_COLOR": "1"})
+    assert shown.code == 1
+    assert shown.text == piped.stdout
 
 
 def test_a_long_engine_id_stays_on_its_row_at_80_columns(root: Path, three_regions: dict[str, Path]) -> None:
-    _, shown, _ = on_a_terminal("scan", "--root", str(root), "--grace", "0", columns=80)
+    shown = on_a_terminal("scan", "--root", str(root), "--grace", "0", columns=80).plain
     long_id = three_regions["long"].name.removeprefix("vllm_offload_").removesuffix(".mmap")
-    (row,) = [line for line in ANSI.sub("", shown).splitlines() if long_id in line]
+    (row,) = [line for line in shown.splitlines() if long_id in line]
     assert row.split()[:2] == ["orphaned", long_id]
     assert len(shown.splitlines()) == 1 + 3 + 1  # header, three regions, summary
 
@@ -223,7 +186,7 @@ def test_json_is_one_line_in_a_pipe_and_indented_on_a_terminal(
     root: Path, three_regions: dict[str, Path]
 ) -> None:
     piped = shmctl("scan", "--root", str(root), "--grace", "0", "--json").stdout
-    _, shown, _ = on_a_terminal("scan", "--root", str(root), "--grace", "0", "--json")
+    shown = on_a_terminal("scan", "--root", str(root), "--grace", "0", "--json").text
     assert piped.count("\n") == 1
     assert shown.count("\n") > 10
     assert _steady(json.loads(piped)) == _steady(json.loads(shown))
@@ -284,32 +247,9 @@ def test_a_real_init_shows_progress_on_a_terminal_from_the_first_moment(root: Pa
     config = json.dumps(
         {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
     )
-    leader, follower = pty.openpty()
     argv = ["init", "--root", str(root), "--kv-bytes-per-block", "65536", "--kv-transfer-config", config]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shmctl", *argv],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=follower,
-        cwd=REPO,
-        env={k: v for k, v in os.environ.items() if k != "NO_COLOR"} | {"TERM": "xterm", "COLUMNS": "120"},
-    )
-    os.close(follower)
-    seen = b""
-    while True:
-        ready, _, _ = select.select([leader], [], [], 60)
-        if not ready:
-            break
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        seen += chunk
-    os.close(leader)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0
-    assert b"starting 1 worker(s) and the scheduler" in seen
-    assert b"starting" not in out  # progress never reaches the report on stdout
+    run = on_a_terminal(*argv, on=("stderr",), columns=120)
+    assert run.code == 0
+    assert "starting 1 worker(s) and the scheduler" in run.plain
+    assert "starting" not in run.out  # progress never reaches the report on stdout
     assert os.listdir(root) == []

@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import pty
 import re
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from kvoffload.engine.report import measure_residue
 from kvoffload.shm import names
 from shmctl.app import main
 from tests.procs import REPO, leave_orphan, write_file
+from tests.terminal import on_a_terminal
 
 pytest.importorskip("torch")
 
@@ -388,30 +388,6 @@ def identity(path: Path) -> tuple[int, int, int, int]:
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def run_on_a_terminal(argv: list[str], columns: int) -> tuple[int, str]:
-    """Run ``argv`` with a pseudo-terminal of ``columns`` as its stdout; its text, ANSI stripped."""
-    leader, follower = pty.openpty()
-    env = {**os.environ, "COLUMNS": str(columns), "TERM": "xterm"}
-    env.pop("NO_COLOR", None)
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=follower, stderr=subprocess.DEVNULL, env=env)
-    os.close(follower)
-    chunks = []
-    try:
-        while True:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:  # EIO: every writer has closed it
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(leader)
-        code = proc.wait(60)
-    text = b"".join(chunks).decode("utf-8", "replace").replace("\r\n", "\n")
-    return code, _ANSI.sub("", text)
-
-
 @pytest.mark.parametrize("output", ["json", "plain", "terminal"])
 def test_the_reap_command_a_crash_prints_removes_its_files_as_printed_and_nothing_else(
     output: str, root: Path, engine_id: str, tmp_path: Path
@@ -431,7 +407,8 @@ def test_the_reap_command_a_crash_prints_removes_its_files_as_printed_and_nothin
     argv += ["--kv-bytes-per-block", BYTES_PER_BLOCK, "--root", str(where), "--lifetime", "vllm"]
     argv += ["--fail-at", "secondary", "--fail-mode", "crash"]
     if output == "terminal":
-        code, out = run_on_a_terminal(argv, columns=60)
+        shown = on_a_terminal(*argv[3:], columns=60)  # argv[:3]: python -m shmctl
+        code, out = shown.code, shown.plain
     else:
         done = subprocess.run(
             argv + (["--json"] if output == "json" else []),

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import pty
-import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ from kvoffload.durations import parse_duration
 from kvoffload.errors import ConfigError
 from shmctl.app import main
 from tests.procs import REPO, Child, leave_orphan, region_path, uninspectable_pids, vouch_args, write_file
+from tests.terminal import on_a_terminal
 
 STATUSES = {"live", "orphaned", "starting", "unknown", "skipped"}
 ENTRY_KEYS = {
@@ -246,64 +244,31 @@ def test_all_users_as_non_root_is_a_usage_error(root: Path) -> None:
     assert text.endswith("exit=2\n")
 
 
-def run_in_terminal(argv: list[str], answer: bytes | None) -> tuple[int, str]:
-    """Run ``python -m shmctl argv`` on a pseudo-terminal, answering a prompt with ``answer``."""
-    leader, follower = pty.openpty()
-    env = {**os.environ, "COLUMNS": "200", "TERM": "xterm"}
-    env.pop("NO_COLOR", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shmctl", *argv],
-        stdin=follower,
-        stdout=follower,
-        stderr=follower,
-        cwd=REPO,
-        env=env,
-    )
-    os.close(follower)
-    chunks: list[bytes] = []
-    answered = answer is None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([leader], [], [], 0.1)
-        if ready:
-            try:
-                data = os.read(leader, 65536)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-            if not answered and b"[y/N]" in b"".join(chunks):
-                os.write(leader, answer or b"")
-                answered = True
-        elif proc.poll() is not None:
-            break
-    os.close(leader)
-    return proc.wait(30), b"".join(chunks).decode(errors="replace")
-
-
 def test_reap_on_a_terminal_asks_and_removes_only_after_yes(root: Path, engine_id: str) -> None:
     orphan = leave_orphan(root, engine_id)
     argv = ["reap", "--root", str(root), "--grace", "0"]
-    code, text = run_in_terminal(argv, b"n\n")
-    assert code == 0
-    assert "Remove 1 orphaned file(s)" in text
-    assert "nothing removed" in text
+    everything = ("stdin", "stdout", "stderr")
+    declined = on_a_terminal(*argv, on=everything, answer=b"n\n", columns=200)
+    assert declined.code == 0
+    assert "Remove 1 orphaned file(s)" in declined.text
+    assert "nothing removed" in declined.text
     assert orphan.exists()
-    code, text = run_in_terminal(argv, b"y\n")
-    assert code == 0
-    assert "removed 1 file(s)" in text
+    confirmed = on_a_terminal(*argv, on=everything, answer=b"y\n", columns=200)
+    assert confirmed.code == 0
+    assert "removed 1 file(s)" in confirmed.text
     assert not orphan.exists()
 
 
 def test_a_table_of_many_regions_is_cut_to_the_limit_on_a_terminal(root: Path, engine_id: str) -> None:
     for i in range(12):
         write_file(region_path(root, f"{engine_id}-{i}"))
-    code, text = run_in_terminal(["scan", "--root", str(root), "--grace", "0", "--limit", "5"], None)
-    assert code == 1
-    assert "7 more region(s) not shown" in text
-    assert "\x1b[" in text  # colour on a terminal
-    assert "12 region file(s)" in text
+    shown = on_a_terminal(
+        "scan", "--root", str(root), "--grace", "0", "--limit", "5", on=("stdout", "stderr")
+    )
+    assert shown.code == 1
+    assert "7 more region(s) not shown" in shown.text
+    assert "\x1b[" in shown.text  # colour on a terminal
+    assert "12 region file(s)" in shown.text
 
 
 def test_scan_and_reap_never_import_numpy_or_torch(root: Path, engine_id: str) -> None:
