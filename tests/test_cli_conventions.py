@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -21,8 +20,6 @@ import pytest
 
 from tests.procs import REPO, Child, leave_orphan, region_path
 from tests.terminal import on_a_terminal
-
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def shmctl(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

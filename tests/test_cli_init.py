@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -383,9 +382,6 @@ def identity(path: Path) -> tuple[int, int, int, int]:
     """What a reap that touched ``path`` (unlinked, truncated, chmod-ed, wrote to it) changes."""
     st = os.stat(path)
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 @pytest.mark.parametrize("output", ["json", "plain", "terminal"])
