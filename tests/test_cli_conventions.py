@@ -250,3 +250,39 @@ def test_a_real_init_shows_progress_on_a_terminal_from_the_first_moment(root: Pa
     assert "starting 1 worker(s) and the scheduler" in run.plain
     assert "starting" not in run.out  # progress never reaches the report on stdout
     assert os.listdir(root) == []
+
+
+#: What the start of every command must not pay for: the torch and numpy of the data path,
+#: pydantic (typer 0.29 imported it to coerce options), the Prometheus client and rich.
+HEAVY = ("torch", "numpy", "pydantic", "prometheus_client", "rich", "jsonschema")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (("--help",), {}, "Usage: shmctl"),
+        (("scan", "--root", "EMPTY"), {}, "no region files"),
+        (("scan", "--root", "EMPTY", "--json"), {}, '"schema_version"'),
+        ((), {"COMP_WORDS": "shmctl sc", "COMP_CWORD": "1", "_SHMCTL_COMPLETE": "complete_bash"}, "scan"),
+    ],
+    ids=["help", "scan", "scan-json", "completion"],
+)
+def test_start_up_imports_nothing_heavy(
+    tmp_path: Path, argv: tuple[str, ...], env: dict[str, str], expected: str
+) -> None:
+    argv = tuple(str(tmp_path) if a == "EMPTY" else a for a in argv)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "shmctl", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "NO_COLOR"} | env,
+    )
+    assert expected in done.stdout  # the command did its work...
+    imported = {
+        line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "shmctl.app" in imported  # ...and -X importtime saw its imports
+    assert sorted(m for m in imported if m.split(".")[0] in HEAVY) == []

@@ -16,10 +16,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvoffload.liveness.holders import Holder
-from kvoffload.liveness.namespace import Visibility
-from kvoffload.liveness.reap import ReapReport
 from kvoffload.liveness.scan import Evidence, ScanEntry, ScanReport, ScanSummary, Status
 from shmctl.render import (
     Cell,
@@ -36,6 +34,11 @@ from shmctl.render import (
     warning_line,
     write_table,
 )
+
+if TYPE_CHECKING:  # annotations only: `shmctl scan` never imports the reaper
+    from kvoffload.liveness.holders import Holder
+    from kvoffload.liveness.namespace import Visibility
+    from kvoffload.liveness.reap import ReapReport
 
 STYLE = {
     Status.ORPHANED: "bold red",
