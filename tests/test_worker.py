@@ -13,7 +13,16 @@ from kvoffload import faults
 from kvoffload.base import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
 from kvoffload.errors import ConfigError, InjectedFault, KvOffloadError
 from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
-from kvoffload.worker import CPUOffloadingWorker, plan_copy_runs
+from kvoffload.worker import (
+    LONG_RUN_BYTES,
+    TILE_BYTES,
+    CPUOffloadingWorker,
+    block_view,
+    copy_on_host,
+    copy_with_torch,
+    make_copy_plan,
+    plan_copy_runs,
+)
 
 NUM_BLOCKS = 8
 NUM_CHUNKS = 4
@@ -164,6 +173,159 @@ def test_chunk_count_must_match_the_block_count(chunks: list[int]) -> None:
     assert info.value.key == "chunk_ids"
 
 
+def test_reversed_blocks_are_runs_of_one() -> None:
+    assert plan_copy_runs([3, 2, 1, 0], [0, 1], 2) == [(3, 0, 0, 1), (2, 0, 1, 1), (1, 1, 0, 1), (0, 1, 1, 1)]
+
+
+def test_a_run_never_crosses_into_the_next_chunk() -> None:
+    # Consecutive chunk ids are not consecutive bytes: each row holds every tensor's slice.
+    assert plan_copy_runs([0, 1, 2, 3], [5, 6], 2) == [(0, 5, 0, 2), (2, 6, 0, 2)]
+
+
+def test_with_one_block_per_chunk_every_block_is_its_own_run() -> None:
+    assert plan_copy_runs([4, 5, 6], [0, 1, 2], 1) == [(4, 0, 0, 1), (5, 1, 0, 1), (6, 2, 0, 1)]
+
+
+def test_an_empty_transfer_has_no_runs() -> None:
+    assert plan_copy_runs([], [], 2) == []
+
+
+def test_runs_cover_every_block_of_a_long_mixed_transfer_in_order() -> None:
+    blocks = [*range(100, 140), 7, 3, 9, *range(50, 57)]
+    chunks = list(range(60, 60 + 13))
+    runs = plan_copy_runs(blocks, chunks, 4)
+    expanded = [(b + k, c, s + k) for b, c, s, n in runs for k in range(n)]
+    assert expanded == [(b, chunks[i // 4], i % 4) for i, b in enumerate(blocks)]
+    assert len(runs) == 10 + 3 + 3  # 10 full chunks, three strays, 50..56 cut at two chunk edges
+
+
+@pytest.mark.parametrize(
+    ("blocks", "chunks", "bad_key"),
+    [([1, 2, 1], [0, 1], "block_ids"), ([0, 1, 2, 3], [3, 3], "chunk_ids")],
+    ids=["block_twice", "chunk_twice"],
+)
+def test_an_id_named_twice_in_one_transfer_is_a_config_error(
+    blocks: list[int], chunks: list[int], bad_key: str
+) -> None:
+    with pytest.raises(ConfigError, match="more than once") as info:
+        plan_copy_runs(blocks, chunks, 2)
+    assert info.value.key == bad_key
+
+
+# ---------------------------------------------------------------- the copies, byte for byte
+
+COPY_PATTERNS = {
+    "consecutive": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+    "reversed": [9, 8, 7, 6, 5, 4, 3, 2, 1, 0],
+    "shuffled": [13, 2, 7, 0, 11, 5, 14, 9, 3],
+    "every_other": [0, 2, 4, 6, 8, 10, 12],
+    "runs_and_strays": [4, 5, 6, 7, 8, 9, 15, 1, 10, 11, 12],
+    "one_block": [6],
+}
+COPY_BLOCKS, COPY_CHUNKS, COPY_BPC = 16, 8, 3
+#: (long_run_bytes, tile_bytes) in blocks of the page: the defaults, every run a slice,
+#: every block its own tile, and a mix of slices and tiles of several blocks.
+COPY_STRATEGIES = {
+    "defaults": None,
+    "all_slices": (1, 1),
+    "all_tiles_of_one": (1 << 40, 1),
+    "mixed": (2, 2),
+}
+
+
+def copy_layout(page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPU blocks, and a chunk view inside a wider row (another slot before it and after it)."""
+    gen = torch.Generator().manual_seed(page)
+    gpu = torch.randint(-128, 128, (COPY_BLOCKS, page), generator=gen, dtype=torch.int8)
+    row = 3 * COPY_BPC * page + 5
+    base = torch.full((COPY_CHUNKS * row,), 0x5A, dtype=torch.int8)
+    cpu = torch.as_strided(base, (COPY_CHUNKS, COPY_BPC, page), (row, page, 1), COPY_BPC * page + 3)
+    return gpu, base, cpu
+
+
+def chunks_for(blocks: list[int]) -> list[int]:
+    # Chunks handed out out of order, as a free list does.
+    return [(5 * i + 3) % COPY_CHUNKS for i in range(-(-len(blocks) // COPY_BPC))]
+
+
+def targets(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(GPU block, chunk, sub-block) of each block of a transfer, as the module docstring says."""
+    chunks = chunks_for(blocks)
+    return [(block, chunks[i // COPY_BPC], i % COPY_BPC) for i, block in enumerate(blocks)]
+
+
+def run_copy(
+    path: str, gpu: torch.Tensor, cpu: torch.Tensor, blocks: list[int], to_cpu: bool, strategy: str
+) -> None:
+    page = gpu.shape[1]
+    plan = make_copy_plan(blocks, chunks_for(blocks), COPY_BPC)
+    if path == "torch":
+        copy_with_torch(gpu, cpu, plan.runs(), to_cpu, non_blocking=False)
+        return
+    limits = COPY_STRATEGIES[strategy]
+    long_run, tile = (LONG_RUN_BYTES, TILE_BYTES) if limits is None else (limits[0] * page, limits[1] * page)
+    copy_on_host(
+        block_view(gpu, page),
+        block_view(cpu, page),
+        plan,
+        page,
+        to_cpu,
+        long_run_bytes=long_run,
+        tile_bytes=tile,
+    )
+
+
+COPY_PATHS = [("host", s) for s in COPY_STRATEGIES] + [("torch", "runs")]
+
+
+@pytest.mark.parametrize("page", [48, 4096])
+@pytest.mark.parametrize(("path", "strategy"), COPY_PATHS, ids=[f"{p}-{s}" for p, s in COPY_PATHS])
+@pytest.mark.parametrize("pattern", list(COPY_PATTERNS))
+def test_a_store_writes_exactly_its_blocks_into_their_sub_blocks(
+    page: int, path: str, strategy: str, pattern: str
+) -> None:
+    blocks = COPY_PATTERNS[pattern]
+    gpu, base, cpu = copy_layout(page)
+    gpu_before = gpu.clone()
+    expected = base.clone()
+    expected_cpu = torch.as_strided(expected, cpu.shape, cpu.stride(), cpu.storage_offset())
+    for block, chunk, sub in targets(blocks):
+        expected_cpu[chunk, sub] = gpu[block]
+    run_copy(path, gpu, cpu, blocks, to_cpu=True, strategy=strategy)
+    assert torch.equal(base, expected)  # every byte of every row, the other slots included
+    assert torch.equal(gpu, gpu_before)
+
+
+@pytest.mark.parametrize("page", [48, 4096])
+@pytest.mark.parametrize(("path", "strategy"), COPY_PATHS, ids=[f"{p}-{s}" for p, s in COPY_PATHS])
+@pytest.mark.parametrize("pattern", list(COPY_PATTERNS))
+def test_a_load_writes_exactly_its_blocks_from_their_sub_blocks(
+    page: int, path: str, strategy: str, pattern: str
+) -> None:
+    blocks = COPY_PATTERNS[pattern]
+    gpu, base, cpu = copy_layout(page)
+    base.copy_(
+        torch.randint(-128, 128, base.shape, generator=torch.Generator().manual_seed(1), dtype=torch.int8)
+    )
+    base_before = base.clone()
+    gpu.fill_(0x33)
+    expected = gpu.clone()
+    for block, chunk, sub in targets(blocks):
+        expected[block] = cpu[chunk, sub]
+    run_copy(path, gpu, cpu, blocks, to_cpu=False, strategy=strategy)
+    assert torch.equal(gpu, expected)  # loaded blocks, and no other block touched
+    assert torch.equal(base, base_before)
+
+
+def test_block_views_keep_the_strides_and_the_memory_of_their_tensor() -> None:
+    _, _, cpu = copy_layout(48)
+    view = block_view(cpu, 48)
+    assert view.shape == (COPY_CHUNKS, COPY_BPC)
+    assert view.strides == (cpu.stride(0), 48)
+    view[2, 1] = bytes(range(48))
+    assert cpu[2, 1].tolist() == list(range(48))
+
+
 # ---------------------------------------------------------------- transfers on CPU tensors
 
 
@@ -253,6 +415,47 @@ def test_transfer_outside_the_caches_is_a_config_error(
     with pytest.raises(ConfigError) as info:
         worker.submit_store(1, GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks))
     assert info.value.key == bad_key
+    worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("blocks", "chunks", "bad_key"),
+    [([0, 1, 0], [0, 1], "block_ids"), ([0, 1, 2, 3], [1, 1], "chunk_ids")],
+    ids=["block_twice", "chunk_twice"],
+)
+def test_transfer_naming_an_id_twice_is_refused_before_any_byte_moves(
+    region: FakeWorkerRegion, blocks: list[int], chunks: list[int], bad_key: str
+) -> None:
+    worker = CPUOffloadingWorker(kv_caches(), BPC, NUM_CHUNKS, mmap_region=region)
+    with pytest.raises(ConfigError) as info:
+        worker.submit_store(1, GPULoadStoreSpec(blocks), CPULoadStoreSpec(chunks))
+    assert info.value.key == bad_key
+    assert region.mm[:] == bytes(len(region.mm))
+    worker.submit_store(1, GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))  # the job id was not taken
+    drain(worker)
+    worker.shutdown()
+
+
+def test_a_long_transfer_of_shuffled_blocks_round_trips() -> None:
+    blocks, chunks = 64, 32
+    fake = FakeWorkerRegion(chunks, 4096 * 2 * BPC)
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(-128, 128, (blocks, 4096), generator=gen, dtype=torch.int8) for _ in range(2)]
+    worker = CPUOffloadingWorker(tensors, BPC, chunks, mmap_region=fake)
+    order = torch.randperm(blocks, generator=gen).tolist()[:40]
+    round_trip(worker, tensors, order, torch.randperm(chunks, generator=gen).tolist()[:20])
+    worker.shutdown()
+    assert fake.views_alive_at_cleanup is False
+
+
+def test_an_empty_transfer_finishes_having_moved_nothing() -> None:
+    worker = CPUOffloadingWorker(kv_caches(), BPC, 0)
+    worker.submit_store(1, GPULoadStoreSpec([]), CPULoadStoreSpec([]))
+    worker.submit_load(2, CPULoadStoreSpec([]), GPULoadStoreSpec([]))
+    assert [(r.job_id, r.transfer_size) for r in drain(worker)] == [(1, 0), (2, 0)]
+    with pytest.raises(ConfigError) as info:
+        worker.submit_store(3, GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))
+    assert info.value.key == "chunk_ids"
     worker.shutdown()
 
 
