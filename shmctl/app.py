@@ -52,7 +52,9 @@ class _Group(typer.core.TyperGroup):
         except KeyboardInterrupt:
             raise Interrupted() from None
         except BrokenPipeError:
-            raise _ClosedPipe() from None
+            if _stdout_reader_gone():
+                raise _ClosedPipe() from None
+            raise  # a pipe of the library's own (a participant's, a command's): a real error
 
 
 app = typer.Typer(
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except KvOffloadError as e:
         error_line(str(e))
         return exit_status_for(e)
-    except (BrokenPipeError, _ClosedPipe):
+    except _ClosedPipe:
         # `shmctl scan | head -1`: the reader has what it wanted. Quietly 0, as for cat;
         # 1 would read as "findings" and 3 as a failure.
         _silence_stdout()
@@ -150,6 +152,18 @@ def _click_or_crash(error: Exception) -> int:
     raise error
 
 
+def _stdout_reader_gone() -> bool:
+    """True when stdout is a pipe whose reader has closed it (poll reports POLLERR)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no stdout at all
+        return False
+
+
 def _silence_stdout() -> None:
     """Point fd 1 at /dev/null so the interpreter's last flush cannot fail on the closed pipe."""
     import os
@@ -163,7 +177,7 @@ def run() -> None:
     code = main()
     try:
         sys.stdout.flush()
-    except BrokenPipeError:
+    except BrokenPipeError:  # the reader left while the last bytes were buffered
         _silence_stdout()
         code = ExitStatus.OK if code in (ExitStatus.OK, ExitStatus.FINDINGS) else code
     sys.exit(code)

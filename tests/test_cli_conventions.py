@@ -286,3 +286,22 @@ def test_start_up_imports_nothing_heavy(
     }
     assert "shmctl.app" in imported  # ...and -X importtime saw its imports
     assert sorted(m for m in imported if m.split(".")[0] in HEAVY) == []
+
+
+@pytest.mark.parametrize("reader_open", [True, False], ids=["reader-open", "reader-gone"])
+def test_only_a_stdout_whose_reader_left_counts_as_a_closed_pipe(
+    reader_open: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Any other BrokenPipeError (a participant's pipe, say) must stay an error, not a quiet 0.
+    from shmctl.app import _stdout_reader_gone
+
+    read_end, write_end = os.pipe()
+    if not reader_open:
+        os.close(read_end)
+    with os.fdopen(write_end, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        gone = _stdout_reader_gone()
+        monkeypatch.undo()
+    if reader_open:
+        os.close(read_end)
+    assert gone is not reader_open
