@@ -17,11 +17,13 @@ blocks would land on one sub-block, or one block be written twice).
 
 Copies. The plan is computed with numpy, not a Python loop per block: a run is a stretch
 of consecutive GPU blocks that lands on consecutive sub-blocks of one chunk. CPU tensors
-are copied through numpy views whose element is one block (so a copy is a memcpy per
-block, in C): a run of at least ``LONG_RUN_BYTES`` is one slice assignment, and the blocks
-of shorter runs are gathered and scattered by index arrays, ``TILE_BYTES`` at a time so
-the intermediate stays in cache. CUDA tensors copy run by run with ``copy_`` on a side
-stream (the same function runs on CPU tensors in the tests).
+are copied through numpy views of their memory, where indexing moves whole blocks (a
+memcpy each, in C): a run of at least ``LONG_RUN_BYTES`` is one slice assignment, and the
+blocks of shorter runs are gathered and scattered by index arrays, ``TILE_BYTES`` at a
+time so the intermediate stays in cache. A transfer of ``PARALLEL_COPY_BYTES`` or more is
+cut into pieces copied by ``torch.get_num_threads()`` threads, as torch's own ``copy_``
+would be. CUDA tensors copy run by run with ``copy_`` on a side stream (the same
+function runs on CPU tensors in the tests).
 
 Streams. On CUDA every copy is ``non_blocking`` on a side stream (store, load and
 expedited load each have one, so transfers in one direction stay ordered), after the
@@ -42,7 +44,9 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoffload import faults
@@ -88,6 +92,10 @@ LONG_RUN_BYTES = 64 << 10
 #: Bytes of blocks gathered and scattered per index operation: big enough that the fixed
 #: cost per tile vanishes, small enough that the gathered tile is still in cache.
 TILE_BYTES = 1 << 20
+#: A CPU transfer of at least this many bytes is split over ``torch.get_num_threads()``
+#: threads, as torch splits a large ``copy_``: one core's memcpy is not the machine's
+#: bandwidth. Smaller ones stay on the caller's thread (a hand-off costs ~50 us).
+PARALLEL_COPY_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,14 +152,32 @@ def make_copy_plan(block_ids: Sequence[int], chunk_ids: Sequence[int], blocks_pe
     blocks = np.fromiter(block_ids, dtype=np.int64, count=n)
     position = np.arange(n, dtype=np.int64)
     chunks = np.repeat(np.fromiter(chunk_ids, dtype=np.int64, count=needed), blocks_per_chunk)[:n]
-    subs = position % blocks_per_chunk
+    return _plan(blocks, chunks, position % blocks_per_chunk)
+
+
+def _plan(blocks: NDArray[np.int64], chunks: NDArray[np.int64], subs: NDArray[np.int64]) -> CopyPlan:
+    import numpy as np
+
+    n = blocks.size
     # Within a run, block - position is constant; a run ends where it changes or a chunk starts.
-    offset = blocks - position
+    offset = blocks - np.arange(n, dtype=np.int64)
     ends = (offset[1:] != offset[:-1]) | (subs[1:] == 0)
     starts = np.flatnonzero(np.concatenate(([n > 0], ends)))
     counts = np.concatenate((starts[1:], [n])) - starts
     longest, shortest = (int(counts.max()), int(counts.min())) if n else (0, 0)
     return CopyPlan(blocks, chunks, subs, starts, counts, longest, shortest)
+
+
+def split_plan(plan: CopyPlan, pieces: int) -> list[CopyPlan]:
+    """``plan`` cut into at most ``pieces`` plans of consecutive positions, runs cut at the cuts."""
+    n = plan.num_blocks
+    pieces = max(1, min(pieces, n))
+    edges = [n * i // pieces for i in range(pieces + 1)]
+    return [
+        _plan(plan.blocks[lo:hi], plan.chunks[lo:hi], plan.subs[lo:hi])
+        for lo, hi in pairwise(edges)
+        if hi > lo
+    ]
 
 
 def plan_copy_runs(
@@ -161,20 +187,18 @@ def plan_copy_runs(
     return make_copy_plan(block_ids, chunk_ids, blocks_per_chunk).runs()
 
 
-def block_view(tensor: torch.Tensor, page: int) -> NDArray[np.void]:
-    """A numpy view of an int8 CPU tensor whose last ``page`` bytes are one element.
+def block_view(tensor: torch.Tensor) -> NDArray[np.int8]:
+    """The numpy view of an int8 CPU tensor (same memory): ``(blocks, page)`` or ``(chunks, bpc, page)``.
 
-    ``(blocks, page)`` becomes ``(blocks,)`` and ``(chunks, bpc, page)`` becomes
-    ``(chunks, bpc)``, strides kept: numpy then copies a block with one memcpy.
+    Indexing its leading dimensions moves whole blocks, each as one memcpy in C; numpy
+    drops the GIL while it copies int8 data, which lets ``_copy_on_host`` use threads.
     """
-    import numpy as np
-
-    return tensor.detach().numpy().view(np.dtype((np.void, page)))[..., 0]
+    return tensor.detach().numpy()
 
 
 def copy_on_host(
-    gpu: NDArray[np.void],
-    cpu: NDArray[np.void],
+    gpu: NDArray[np.int8],
+    cpu: NDArray[np.int8],
     plan: CopyPlan,
     page: int,
     to_cpu: bool,
@@ -313,10 +337,12 @@ class CPUOffloadingWorker(OffloadingWorker):
             self._cpu_views.append(flat.view(num_cpu_chunks, blocks_per_chunk, page))
 
         # CPU tensors move through numpy block views (see copy_on_host); others with torch.
-        self._host_views: list[tuple[NDArray[np.void], NDArray[np.void], int]] = []
+        self._copy_threads = torch.get_num_threads()
+        self._copy_pool: ThreadPoolExecutor | None = None  # started by the first large copy
+        self._host_views: list[tuple[NDArray[np.int8], NDArray[np.int8], int]] = []
         if self.device.type == "cpu":
             self._host_views = [
-                (block_view(gpu, page), block_view(cpu, page), page)
+                (block_view(gpu), block_view(cpu), page)
                 for gpu, cpu, page in zip(self._gpu_views, self._cpu_views, self.page_sizes, strict=True)
             ]
         self._streams: dict[str, Any] = {}
@@ -381,11 +407,30 @@ class CPUOffloadingWorker(OffloadingWorker):
             end.record(stream)
         self._in_flight.append(_Transfer(job_id, success, size, start, end))
 
+    def _copy_on_host(self, plan: CopyPlan, to_cpu: bool) -> None:
+        threads = self._copy_threads
+        if threads < 2 or plan.num_blocks * self.bytes_per_block < PARALLEL_COPY_BYTES:
+            for gpu, cpu, page in self._host_views:
+                copy_on_host(gpu, cpu, plan, page, to_cpu)
+            return
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvoffload_copy")
+        # numpy lets go of the GIL while it copies, so the pieces run in parallel.
+        pieces = split_plan(plan, -(-threads // len(self._host_views)))
+        futures = [
+            self._copy_pool.submit(copy_on_host, gpu, cpu, piece, page, to_cpu)
+            for gpu, cpu, page in self._host_views
+            for piece in pieces
+        ]
+        # Every piece ends before the job does, failed or not: none may still write afterwards.
+        wait(futures)
+        for future in futures:
+            future.result()
+
     def _copy(self, plan: CopyPlan, to_cpu: bool, non_blocking: bool, job_id: int) -> bool:
         try:
             if self._host_views:
-                for gpu, cpu, page in self._host_views:
-                    copy_on_host(gpu, cpu, plan, page, to_cpu)
+                self._copy_on_host(plan, to_cpu)
             else:
                 runs = plan.runs()
                 for gpu_view, cpu_view in zip(self._gpu_views, self._cpu_views, strict=True):
@@ -441,6 +486,11 @@ class CPUOffloadingWorker(OffloadingWorker):
                 torch.cuda.synchronize(self.device)
             raise
 
+    def _stop_copy_threads(self) -> None:
+        pool, self._copy_pool = self._copy_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     def _drop_views(self) -> None:
         self._in_flight.clear()
         self._streams.clear()
@@ -456,6 +506,7 @@ class CPUOffloadingWorker(OffloadingWorker):
         region, self._mmap_region = self._mmap_region, None
         steps: list[tuple[str, Any]] = [
             ("stop the offloading transfers", self._stop_transfers),
+            ("stop the copy threads", self._stop_copy_threads),
             ("drop the worker's CPU and GPU views", self._drop_views),
         ]
         if region is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +16,7 @@ from kvoffload.errors import ConfigError, InjectedFault, KvOffloadError
 from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
 from kvoffload.worker import (
     LONG_RUN_BYTES,
+    PARALLEL_COPY_BYTES,
     TILE_BYTES,
     CPUOffloadingWorker,
     block_view,
@@ -22,6 +24,7 @@ from kvoffload.worker import (
     copy_with_torch,
     make_copy_plan,
     plan_copy_runs,
+    split_plan,
 )
 
 NUM_BLOCKS = 8
@@ -265,8 +268,8 @@ def run_copy(
     limits = COPY_STRATEGIES[strategy]
     long_run, tile = (LONG_RUN_BYTES, TILE_BYTES) if limits is None else (limits[0] * page, limits[1] * page)
     copy_on_host(
-        block_view(gpu, page),
-        block_view(cpu, page),
+        block_view(gpu),
+        block_view(cpu),
         plan,
         page,
         to_cpu,
@@ -317,12 +320,70 @@ def test_a_load_writes_exactly_its_blocks_from_their_sub_blocks(
     assert torch.equal(base, base_before)
 
 
+@pytest.mark.parametrize("pieces", [1, 2, 3, 5, 100])
+def test_a_split_plan_covers_every_block_once_in_order(pieces: int) -> None:
+    blocks = COPY_PATTERNS["runs_and_strays"]
+    plan = make_copy_plan(blocks, chunks_for(blocks), COPY_BPC)
+    parts = split_plan(plan, pieces)
+    assert len(parts) == min(pieces, len(blocks))
+    expanded = [(b + k, c, s + k) for part in parts for b, c, s, n in part.runs() for k in range(n)]
+    assert expanded == targets(blocks)
+
+
+def test_a_split_plan_moves_the_same_bytes_as_the_whole() -> None:
+    blocks = COPY_PATTERNS["shuffled"]
+    gpu, base, cpu = copy_layout(4096)
+    whole_gpu, whole_base, whole_cpu = copy_layout(4096)
+    plan = make_copy_plan(blocks, chunks_for(blocks), COPY_BPC)
+    copy_on_host(block_view(whole_gpu), block_view(whole_cpu), plan, 4096, to_cpu=True)
+    for part in split_plan(plan, 4):
+        copy_on_host(block_view(gpu), block_view(cpu), part, 4096, to_cpu=True)
+    assert torch.equal(base, whole_base)
+
+
+@pytest.fixture
+def two_torch_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def copy_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvoffload_copy")]
+
+
+@pytest.mark.usefixtures("two_torch_threads")
+def test_a_large_transfer_is_copied_by_threads_that_stop_at_shutdown() -> None:
+    page, blocks, chunks = 64 << 10, 96, 48
+    assert blocks * page >= PARALLEL_COPY_BYTES
+    fake = FakeWorkerRegion(chunks, page * BPC)
+    gen = torch.Generator().manual_seed(5)
+    tensors = [torch.randint(-128, 128, (blocks, page), generator=gen, dtype=torch.int8)]
+    worker = CPUOffloadingWorker(tensors, BPC, chunks, mmap_region=fake)
+    order = torch.randperm(blocks, generator=gen).tolist()
+    round_trip(worker, tensors, order, torch.randperm(chunks, generator=gen).tolist())
+    assert copy_threads()  # the pool took the pieces
+    worker.shutdown()
+    assert copy_threads() == []
+    assert fake.views_alive_at_cleanup is False
+
+
+@pytest.mark.usefixtures("two_torch_threads")
+def test_a_small_transfer_stays_on_the_callers_thread(region: FakeWorkerRegion) -> None:
+    tensors = kv_caches()
+    worker = CPUOffloadingWorker(tensors, BPC, NUM_CHUNKS, mmap_region=region)
+    round_trip(worker, tensors, [3, 5, 6], [2, 0])
+    assert copy_threads() == []
+    worker.shutdown()
+
+
 def test_block_views_keep_the_strides_and_the_memory_of_their_tensor() -> None:
     _, _, cpu = copy_layout(48)
-    view = block_view(cpu, 48)
-    assert view.shape == (COPY_CHUNKS, COPY_BPC)
-    assert view.strides == (cpu.stride(0), 48)
-    view[2, 1] = bytes(range(48))
+    view = block_view(cpu)
+    assert view.shape == (COPY_CHUNKS, COPY_BPC, 48)
+    assert view.strides == cpu.stride()
+    view[2, 1] = range(48)
     assert cpu[2, 1].tolist() == list(range(48))
 
 
