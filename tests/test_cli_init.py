@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from kvoffload.config import PAGESIZE
-from kvoffload.engine.bringup import reap_command
 from kvoffload.engine.plan import MAX_WORLD_SIZE
 from kvoffload.engine.report import measure_residue
+from kvoffload.liveness.reap import reap_command
 from kvoffload.shm import names
 from shmctl.app import main
 from tests.procs import REPO, leave_orphan, write_file

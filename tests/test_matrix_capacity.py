@@ -22,9 +22,9 @@ import pytest
 
 from kvoffload.config import PAGESIZE, OffloadingConfig
 from kvoffload.engine import FailMode, plan, run_matrix
-from kvoffload.engine.bringup import reap_command
 from kvoffload.engine.plan import CapacityError
 from kvoffload.engine.report import KeptFile, MatrixCell
+from kvoffload.liveness.reap import reap_command
 from kvoffload.shm import names
 from shmctl.app import main
 from tests.procs import Child

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import os
-import shlex
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +57,7 @@ from kvoffload.engine.report import (
     measure_residue,
 )
 from kvoffload.errors import ConfigError, KvOffloadError
+from kvoffload.liveness.reap import reap_command
 
 #: Test-only switch: ``worker`` or ``scheduler`` exits without releasing what it holds.
 SKIP_RELEASE_ENV = "KVOFFLOAD_INIT_SKIP_RELEASE"
@@ -611,35 +610,6 @@ class _BringUp:
             else:
                 warnings.append("the injected fault never fired")
         return tuple(warnings)
-
-
-def reap_command(root: Path, engine_id: str) -> str:
-    """The ``shmctl reap`` command that removes this engine's orphans, to be pasted into a shell."""
-    # --engine takes a glob: an id holding * ? or [ is escaped so it names only itself.
-    engine = shell_word(glob.escape(engine_id))
-    return f"shmctl reap --root {shell_word(str(root))} --engine {engine} --grace 0 --yes"
-
-
-def shell_word(text: str) -> str:
-    """``text`` as one shell word that gives back exactly ``text``, written in visible characters.
-
-    ``shlex.quote`` leaves a newline or an escape byte literal inside its quotes, and the
-    report escapes those for display, so what the operator would copy is not the command.
-    Such words are ANSI-C quoted instead (``$'...'``, as bash's ``printf %q`` writes them;
-    bash, zsh and ksh read them): each invisible character is the ``\\xHH`` of its bytes,
-    so the undecodable bytes of a name (surrogate escapes) come back as the same bytes.
-    """
-    if text.isprintable():
-        return shlex.quote(text)
-    spelled = []
-    for char in text:
-        if char in "\\'":
-            spelled.append("\\" + char)
-        elif char.isprintable():
-            spelled.append(char)
-        else:
-            spelled.extend(f"\\x{byte:02x}" for byte in char.encode("utf-8", "surrogateescape"))
-    return "$'" + "".join(spelled) + "'"
 
 
 def _why_nothing_left(the_plan: InitPlan) -> str:

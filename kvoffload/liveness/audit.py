@@ -41,6 +41,7 @@ from types import FrameType
 from kvoffload.durations import MAX_DURATION_S
 from kvoffload.errors import ConfigError
 from kvoffload.liveness.holders import DeletedMapping
+from kvoffload.liveness.reap import reap_command
 from kvoffload.liveness.scan import DEFAULT_ROOT, ScanEntry, scan
 
 #: 1: the first versioned document (``command_signal``, ``exit_status``, ``exit_reason``,
@@ -114,9 +115,6 @@ def exit_for(
 
 
 def _reap_commands(root: Path, leaked: tuple[ScanEntry, ...]) -> tuple[str, ...]:
-    # Imported here: the engine package is not needed to audit, only to spell the command.
-    from kvoffload.engine.bringup import reap_command
-
     engines = dict.fromkeys(e.engine_id for e in leaked)
     return tuple(reap_command(root, engine) for engine in engines)
 

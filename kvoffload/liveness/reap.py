@@ -145,7 +145,7 @@ class ReapFilter:
         engines = {e.engine_id for e in entries}
         owners = {e.owner.pid for e in entries if e.owner is not None}
         missing = [
-            f"--engine {shlex.quote(p)}"
+            f"--engine {shell_word(p)}"
             for p in self.engine_ids
             if not any(fnmatch.fnmatchcase(engine, p) for engine in engines)
         ]
@@ -592,3 +592,32 @@ def _rename_noreplace(dir_fd: int, old: str, new: str) -> None:
 
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), old)
+
+
+def reap_command(root: Path, engine_id: str) -> str:
+    """The ``shmctl reap`` command that removes this engine's orphans, to be pasted into a shell."""
+    # --engine takes a glob: an id holding * ? or [ is escaped so it names only itself.
+    engine = shell_word(glob.escape(engine_id))
+    return f"shmctl reap --root {shell_word(str(root))} --engine {engine} --grace 0 --yes"
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one shell word that gives back exactly ``text``, written in visible characters.
+
+    ``shlex.quote`` leaves a newline or an escape byte literal inside its quotes, and the
+    report escapes those for display, so what the operator would copy is not the command.
+    Such words are ANSI-C quoted instead (``$'...'``, as bash's ``printf %q`` writes them;
+    bash, zsh and ksh read them): each invisible character is the ``\\xHH`` of its bytes,
+    so the undecodable bytes of a name (surrogate escapes) come back as the same bytes.
+    """
+    if text.isprintable():
+        return shlex.quote(text)
+    spelled = []
+    for char in text:
+        if char in "\\'":
+            spelled.append("\\" + char)
+        elif char.isprintable():
+            spelled.append(char)
+        else:
+            spelled.extend(f"\\x{byte:02x}" for byte in char.encode("utf-8", "surrogateescape"))
+    return "$'" + "".join(spelled) + "'"

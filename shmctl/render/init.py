@@ -88,7 +88,7 @@ def _line(text: str, style: str | None = None) -> None:
 def _command(command: str) -> None:
     """A shell command to copy, indented, on one line however narrow the terminal.
 
-    It is built shell-quoted in visible characters (``bringup.shell_word``) and written
+    It is built shell-quoted in visible characters (``kvoffload.liveness.reap.shell_word``) and written
     as it is: a line wrapped by a renderer would paste as two commands.
     """
     _write(f"  {command}")
