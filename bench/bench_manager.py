@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+
+from figures import Row, print_table, write_json
 
 from kvoffload.base import LookupResult, OffloadKey, make_offload_key
 from kvoffload.cpu.manager import CPUOffloadingManager
@@ -48,21 +48,6 @@ LOAD = "touch+prepare_load+complete_load"
 STORE = "store+complete (evicting)"
 STORE_PAST_PINS = "store+complete (evicting past 1% pinned)"
 FLOOR = "floor"
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One figure, in the form the ``make bench`` harness merges."""
-
-    figure: str
-    unit: str
-    median: float
-    min: float
-    max: float
-    baseline: str
-    ratio: float
-    goal: str
-    met: bool
 
 
 def key(i: int) -> OffloadKey:
@@ -270,18 +255,6 @@ def rows(samples: Samples, sizes: Sequence[int], batch: int) -> list[Row]:
     return out
 
 
-def print_table(table: Sequence[Row]) -> None:
-    width = max(len(r.figure) for r in table)
-    print(f"{'figure':<{width}}  {'median':>9}  {'min-max':>19}  {'ratio':>6}  goal")
-    for r in table:
-        span = f"{r.min:.3f}-{r.max:.3f}"
-        verdict = ("met" if r.met else "NOT MET") if r.goal else ""
-        print(
-            f"{r.figure:<{width}}  {r.median:9.3f}  {span:>19}  {r.ratio:6.2f}  {r.goal} {verdict}".rstrip()
-        )
-    print(f"(medians in {table[0].unit.split(' of')[0]}; lookups are one key, the rest one call per group)")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -300,11 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ops = args.ops or (200 if args.quick else 500)
     repeat = args.repeat or (5 if args.quick else 15)
     table = rows(measure(args.policies.split(","), sizes, ops, args.batch, repeat), sizes, args.batch)
-    print_table(table)
+    print_table(table, value="median", digits=3)
+    print(f"(medians in {table[0].unit.split(' of')[0]}; lookups are one key, the rest one call per group)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in table], f, indent=2)
-            f.write("\n")
+        write_json(table, args.json)
     return 0
 
 

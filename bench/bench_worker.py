@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import os
 import random
 import shutil
@@ -41,12 +40,13 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
+from figures import Row, print_table, write_json
 
 from kvoffload.base import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
@@ -55,21 +55,6 @@ from kvoffload.worker import CPUOffloadingWorker
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGES = (16 * KiB, 256 * KiB, 2 * MiB)
 PATTERNS = ("consecutive", "shuffled")
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One figure, in the form the ``make bench`` harness merges."""
-
-    figure: str
-    unit: str
-    median: float
-    min: float
-    max: float
-    baseline: str
-    ratio: float
-    goal: str
-    met: bool
 
 
 def goal_for(page: int) -> float:
@@ -343,17 +328,6 @@ def rows(samples: Samples, layouts: Sequence[Layout]) -> list[Row]:
     return out
 
 
-def print_table(table: Sequence[Row]) -> None:
-    width = max(len(r.figure) for r in table)
-    print(f"{'figure':<{width}}  {'GiB/s':>7}  {'min-max':>13}  {'ratio':>6}  goal")
-    for r in table:
-        span = f"{r.min:.2f}-{r.max:.2f}"
-        verdict = ("met" if r.met else "NOT MET") if r.goal else ""
-        print(
-            f"{r.figure:<{width}}  {r.median:7.2f}  {span:>13}  {r.ratio:6.2f}  {r.goal} {verdict}".rstrip()
-        )
-
-
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -398,13 +372,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.tensors} tensors, {args.bpc} blocks per chunk, {transfer // MiB} MiB per transfer, "
         f"median of {repeat}, device {device}, {torch.get_num_threads()} torch threads"
     )
-    print_table(table)
+    print_table(table, value="GiB/s", digits=2)
     for note in notes:
         print(f"note: {note}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in table], f, indent=2)
-            f.write("\n")
+        write_json(table, args.json)
     return 0
 
 
