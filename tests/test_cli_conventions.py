@@ -18,21 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.hostile import shmctl as run_shmctl
 from tests.procs import REPO, Child, leave_orphan, region_path
 from tests.terminal import on_a_terminal
 
 
 def shmctl(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if k != "NO_COLOR"} | (env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "shmctl", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO,
-        env=environ,
-    )
+    """``tests.hostile.shmctl`` with ``NO_COLOR`` cleared unless ``env`` sets it."""
+    return run_shmctl(*argv, env={"NO_COLOR": None, **(env or {})})
 
 
 @pytest.fixture

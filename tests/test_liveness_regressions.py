@@ -20,6 +20,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.liveness.reap import reap
 from kvoffload.liveness.scan import Evidence, Status, open_root, scan
 from kvoffload.shm.owner import XATTR_NAME
+from tests.hostile import shmctl
 from tests.procs import (
     NOBODY,
     REPO,
@@ -41,18 +42,6 @@ MALFORMED_RECORDS = {
     "a boolean uid": b'{"pid": 2, "start_ticks": 1, "uid": true, "engine_id": "e", "created_at": 1}',
     "not UTF-8": b'{"pid": "\xff"}',
 }
-
-
-def shmctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shmctl", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO,
-        env=None if env is None else {**os.environ, **env},
-    )
 
 
 def strict_json(text: str) -> object:

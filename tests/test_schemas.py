@@ -8,27 +8,15 @@ region held by a child, a SIGKILLed creator's orphan, a region unlinked but stil
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-from tests.procs import REPO, Child, leave_orphan, region_path
+from tests.hostile import shmctl
+from tests.procs import Child, leave_orphan, region_path
 from tests.schemas import SCHEMAS, schema, validate
-
-
-def shmctl(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shmctl", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO,
-    )
 
 
 @pytest.fixture
