@@ -298,3 +298,22 @@ def test_only_a_stdout_whose_reader_left_counts_as_a_closed_pipe(
     if reader_open:
         os.close(read_end)
     assert gone is not reader_open
+
+
+def test_a_pipe_gets_every_row_and_a_terminal_the_first_fifty(root: Path, engine_id: str) -> None:
+    for i in range(60):
+        (root / f"vllm_offload_{engine_id}-{i:02d}.mmap").touch()
+    argv = ("scan", "--root", str(root), "--grace", "1h", "--no-headers")
+    assert len(shmctl(*argv).stdout.splitlines()) == 60
+    shown = on_a_terminal(*argv)
+    assert len(shown.plain.splitlines()) == 50
+    assert "10 more region(s) not shown" in shown.err
+    for path in root.iterdir():
+        path.unlink()
+
+
+def test_faults_no_headers_prints_one_row_per_point() -> None:
+    from kvoffload.faults import REGISTRY
+
+    rows = shmctl("faults", "--no-headers").stdout.splitlines()
+    assert [row.split()[0].removesuffix(".N") for row in rows] == [p.name for p in REGISTRY]
