@@ -1,23 +1,36 @@
-"""How long a scan takes next to the tools an operator would otherwise run, on the same files.
+"""``shmctl scan --json`` next to the tools an operator would otherwise run, on the same files.
 
-Creates ``--files`` region files in a private directory on /dev/shm, starts ``--holders``
-processes that each hold a share of them (half mapped with the fd closed, half by fd
-only), then times, in the same run and on the same files:
+Creates ``--files`` region files (one page each, vLLM's names ``vllm_offload_<id>.mmap``) in a
+private directory ``/dev/shm/shmctl-bench-scan-<uuid>/``, and ``--files / 10`` more in a
+second one for the growth figure. ``--holders`` real processes hold half the files of each
+directory between them: half the processes map their files and close the fd (only
+/proc/PID/maps shows them, as vLLM's segment files), the other half keep only an fd. Then,
+``--repeat`` rounds, one of each per round (so noise hits all alike), whole processes with
+their output read through a pipe:
 
-* ``kvoffload`` ``scan()`` (one /proc pass, lease and lock probes, verdicts) and the bare /proc pass;
-* ``lsof -n -P +D DIR`` (fds and mappings of files under DIR), ``fuser FILE...``, and
-  ``lsfd`` filtered to the directory (fds and mappings);
-* ``reap()`` of every orphan (each file re-proven under its own write lease before unlink).
+* ``shmctl scan --root DIR --json --grace 0s``: every file judged (holders, locks, a write
+  lease probe per file) and a verdict for each;
+* ``lsfd -Q 'NAME =~ "^DIR/"'``, ``fuser FILE...`` and ``lsof +D DIR``, which list holders and
+  give no verdict (a tool that is not installed is skipped with the package to install);
+* the same scan of the directory ten times smaller, for the cost growth 1k -> 10k files.
 
-Prints the median of ``--repeat`` runs and each tool's ratio to ``scan()``, checks that
-every tool agrees on which files are held, and removes everything it created.
+Before the holders start, the start-up figures: ``shmctl --help``, ``shmctl scan --root
+EMPTY`` and one Tab completion request, each against an absolute budget, next to the bare
+interpreter's own start-up.
 
-    .venv/bin/python bench/bench_scan.py --files 200 --holders 4
+Goals (issue 10): scan <= 1.5x lsfd and <= 0.2x fuser; growth <= 11x (linear); --help and an
+empty scan <= 0.25 s; a completion <= 0.15 s. The scan's verdicts are checked (every held
+file live, every other orphaned) before any figure counts; a script whose scan is wrong fails.
+Everything it creates is removed and every holder ended on the way out, also on Ctrl-C or
+SIGTERM.
+
+    .venv/bin/python bench/bench_scan.py [--quick] [--json FILE] [--files N] [--holders N]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -25,145 +38,383 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
-from kvoffload.liveness.holders import collect_holders
-from kvoffload.liveness.reap import reap
-from kvoffload.liveness.scan import Status, scan
+from figures import (
+    Row,
+    compared,
+    interrupt_on_signals,
+    print_table,
+    private_dir,
+    reference,
+    shmctl_argv,
+    signals_ignored,
+    write_json,
+)
 
-_HOLDER = r"""
-import ctypes, mmap, os, sys
+PAGE = os.sysconf("SC_PAGE_SIZE")
+#: Where a tool comes from, for the line that says how to get it.
+PACKAGES = {"lsfd": "util-linux (2.38 or later)", "fuser": "psmisc", "lsof": "lsof"}
+HELP_BUDGET_S = 0.25
+COMPLETION_BUDGET_S = 0.15
+
+# One process forks a child per share of files. Each child holds its files ("map": libc mmap,
+# then close the fd, since Python's mmap keeps a dup of it; "fd": keep the fd), says so on the
+# ready pipe, and blocks on stdin: EOF there (the bench closed it, or died) ends every child, so
+# no holder outlives the bench even when it is SIGKILLed. Forking keeps 200 holders cheap.
+_HOLDER_HOST = r"""
+import ctypes, gc, json, mmap, os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+page = mmap.PAGESIZE
+plan = json.loads(sys.stdin.readline())
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 c = ctypes
 libc.mmap.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long]
-keep = []
-for i, path in enumerate(sys.argv[1:]):
-    fd = os.open(path, os.O_RDWR)
-    if i % 2:
-        keep.append(fd)  # fd only
-    else:
-        libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-        os.close(fd)  # mapped, fd closed: only /proc/PID/maps shows it
-print("ready", flush=True)
-sys.stdin.read()
+failed = ctypes.c_void_p(-1).value
+ready_r, ready_w = os.pipe()
+gc.freeze()
+children = []
+for mode, paths in plan:
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            os.close(ready_r)
+            fds = []
+            for path in paths:
+                fd = os.open(path, os.O_RDWR)
+                if mode == "map":
+                    rw = mmap.PROT_READ | mmap.PROT_WRITE
+                    if libc.mmap(None, page, rw, mmap.MAP_SHARED, fd, 0) in (None, failed):
+                        raise OSError(ctypes.get_errno(), "mmap", path)
+                    os.close(fd)
+                else:
+                    fds.append(fd)
+            os.write(ready_w, b"r")
+            while os.read(0, 4096):
+                pass
+            status = 0
+        except BaseException as e:
+            os.write(2, f"holder {os.getpid()}: {e}\n".encode())
+            os.write(ready_w, b"e")
+        finally:
+            os._exit(status)
+    children.append(pid)
+os.close(ready_w)
+got = b""
+while len(got) < len(children):
+    chunk = os.read(ready_r, 4096)
+    if not chunk:
+        break
+    got += chunk
+print("ready" if got == b"r" * len(children) else "failed", flush=True)
+while os.read(0, 4096):
+    pass
+for pid in children:
+    os.waitpid(pid, 0)
 """
 
 
-def median_ms(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def make_files(directory: Path, count: int, engine: str) -> list[Path]:
+    page = b"\0" * PAGE
+    paths = []
+    for i in range(count):
+        path = directory / f"vllm_offload_{engine}-{i:05d}.mmap"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            os.write(fd, page)  # resident, as a region's pages are
+        finally:
+            os.close(fd)
+        paths.append(path)
+    return paths
 
 
-def run_tool(argv: list[str]) -> str:
-    # lsof and fuser exit 1 when some item is not in use; that is an answer, not a failure.
-    return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+@contextmanager
+def holders(shares: Sequence[Sequence[Path]]) -> Iterator[None]:
+    """One process per share holding its files (even shares mapped, odd ones by fd), until exit."""
+    plan = [["map" if k % 2 == 0 else "fd", [str(p) for p in share]] for k, share in enumerate(shares)]
+    host = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER_HOST],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a Ctrl-C at the terminal reaches the bench, which ends them
+    )
+    try:
+        assert host.stdin is not None
+        assert host.stdout is not None
+        host.stdin.write(json.dumps(plan) + "\n")
+        host.stdin.flush()
+        if host.stdout.readline() != "ready\n":
+            raise RuntimeError("a holder process could not hold its files")
+        yield
+    finally:
+        with signals_ignored():
+            if host.stdin is not None:
+                host.stdin.close()  # EOF: every holder exits, and the host reaps them
+            try:
+                host.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(host.pid, signal.SIGKILL)
+                host.wait()
+            if host.stdout is not None:
+                host.stdout.close()
 
 
-def main() -> int:
+def timed(argv: Sequence[str], *, ok: Sequence[int] = (0,), **kwargs: Any) -> tuple[float, str]:
+    """Seconds the whole process took, output read through a pipe, and that output."""
+    start = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, **kwargs)
+    seconds = time.perf_counter() - start
+    if done.returncode not in ok:
+        raise RuntimeError(f"{' '.join(argv[:4])} ... exited {done.returncode}: {done.stderr.strip()[-300:]}")
+    return seconds, done.stdout
+
+
+Samples = dict[str, list[float]]
+
+
+def rounds(commands: dict[str, tuple[list[str], dict[str, Any]]], repeat: int) -> Samples:
+    """``repeat`` rounds, each command once per round; the first round warms and is not kept."""
+    samples: Samples = {key: [] for key in commands}
+    for r in range(repeat + 1):
+        for key, (argv, kwargs) in commands.items():
+            seconds, _ = timed(argv, **kwargs)
+            if r:
+                samples[key].append(seconds)
+    return samples
+
+
+# ---------------------------------------------------------------- start-up
+
+
+def startup(empty: Path, repeat: int) -> list[Row]:
+    shmctl = shmctl_argv()
+    completion_env = {
+        **os.environ,
+        "_SHMCTL_COMPLETE": "complete_bash",
+        "COMP_WORDS": "shmctl sc",
+        "COMP_CWORD": "1",
+    }
+    if timed(shmctl, env=completion_env)[1].split() != ["scan"]:
+        raise RuntimeError("a completion request for 'shmctl sc' did not answer 'scan'")
+    # scan exits 0 on a clean root; 1 would be a finding, which an empty root cannot have.
+    commands: dict[str, tuple[list[str], dict[str, Any]]] = {
+        "python": ([sys.executable, "-c", "pass"], {}),
+        "help": ([*shmctl, "--help"], {}),
+        "empty": ([*shmctl, "scan", "--root", str(empty)], {}),
+        "complete": (shmctl, {"env": completion_env}),
+    }
+    s = {key: [t * 1e3 for t in times] for key, times in rounds(commands, repeat).items()}
+    budget = HELP_BUDGET_S * 1e3
+
+    def against(figure: str, key: str, budget_ms: float) -> Row:
+        return compared(
+            figure,
+            "ms",
+            s[key],
+            baseline=f"budget {budget_ms / 1e3:g} s",
+            base=budget_ms,
+            at_most=1.0,
+            goal=f"<= 1.0x budget ({budget_ms / 1e3:g} s)",
+            digits=1,
+        )
+
+    return [
+        reference("python -c pass (the interpreter's own start-up, whole process)", "ms", s["python"], 1),
+        against("shmctl --help (whole process)", "help", budget),
+        against("shmctl scan --root EMPTY (whole process)", "empty", budget),
+        against("Tab completion: shmctl sc<Tab> (whole process)", "complete", COMPLETION_BUDGET_S * 1e3),
+    ]
+
+
+# ---------------------------------------------------------------- scan against the tools
+
+
+def held_names_from_scan(stdout: str) -> tuple[set[str], set[str]]:
+    report = json.loads(stdout)
+    statuses = {e["name"]: e["status"] for e in report["entries"]}
+    return {n for n, s in statuses.items() if s == "live"}, {
+        n for n, s in statuses.items() if s == "orphaned"
+    }
+
+
+def last_column_names(stdout: str, skip: int) -> set[str]:
+    return {Path(line.split()[-1]).name for line in stdout.splitlines()[skip:] if line.strip()}
+
+
+def tools(root: Path, paths: Sequence[Path]) -> dict[str, tuple[str, list[str], dict[str, Any]]]:
+    """Every installed tool, as (label, argv, run kwargs); an absent one is named on stderr."""
+    found: dict[str, tuple[str, list[str], dict[str, Any]]] = {}
+    # fuser and lsof exit 1 when some file is not in use: an answer, not a failure.
+    candidates = {
+        "lsfd": (
+            "lsfd -Q 'NAME =~ ^DIR/'",
+            ["lsfd", "-n", "-o", "PID,ASSOC,NAME", "-Q", f'NAME =~ "^{root}/"'],
+            {},
+        ),
+        # Names relative to DIR keep 10,000 of them well inside ARG_MAX.
+        "fuser": ("fuser FILE...", ["fuser", *(p.name for p in paths)], {"cwd": root}),
+        "lsof": ("lsof +D DIR", ["lsof", "-n", "-P", "-w", "+D", str(root)], {}),
+    }
+    for tool, (label, argv, kwargs) in candidates.items():
+        if shutil.which(tool) is None:
+            print(
+                f"note: {tool} is not installed; its rows are skipped (apt-get install {PACKAGES[tool]})",
+                file=sys.stderr,
+            )
+            continue
+        found[tool] = (label, argv, {**kwargs, "ok": (0, 1)})
+    return found
+
+
+def agreement(tool: str, stdout: str, held: set[str]) -> bool:
+    if tool == "lsfd":
+        return last_column_names(stdout, 0) == held
+    if tool == "lsof":
+        return last_column_names(stdout, 1) == held
+    return len(stdout.split()) == len(held)  # fuser: one pid per held file on stdout
+
+
+def scan_rows(
+    big: tuple[Path, list[Path], set[str]],
+    small: tuple[Path, list[Path], set[str]],
+    holders_n: int,
+    repeat: int,
+) -> tuple[list[Row], list[str]]:
+    shmctl = shmctl_argv()
+    scan = [*shmctl, "scan", "--json", "--grace", "0s", "--root"]
+    notes = []
+    for directory, paths, held in (big, small):
+        _, out = timed([*scan, str(directory)], ok=(0, 1))
+        live, orphaned = held_names_from_scan(out)
+        if live != held or orphaned != {p.name for p in paths} - held:
+            raise RuntimeError(
+                f"shmctl scan of {directory}: {len(live)} live / {len(orphaned)} orphaned, "
+                f"expected {len(held)} / {len(paths) - len(held)}; the figures would time a wrong scan"
+            )
+    root, paths, held = big
+    found = tools(root, paths)
+    for tool, (label, argv, kwargs) in found.items():
+        _, out = timed(argv, **kwargs)
+        if not agreement(tool, out, held):
+            notes.append(f"{label} does not list exactly the {len(held)} held files")
+    commands: dict[str, tuple[list[str], dict[str, Any]]] = {
+        "scan": ([*scan, str(root)], {"ok": (0, 1)}),
+        "scan-small": ([*scan, str(small[0])], {"ok": (0, 1)}),
+    }
+    commands.update({tool: (argv, kwargs) for tool, (_, argv, kwargs) in found.items()})
+    print(f"measuring: {repeat} rounds of {', '.join(commands)}", flush=True)
+    s = {key: [t * 1e3 for t in times] for key, times in rounds(commands, repeat).items()}
+
+    n, n_small = len(paths), len(small[1])
+    setup = f"[{n:,} files, {holders_n} holders]"
+    med = {key: statistics.median(v) for key, v in s.items()}
+    table = [reference(f"{found[t][0]} {setup}", "ms", s[t], 1) for t in found]
+    goals = {"lsfd": 1.5, "fuser": 0.2}
+    for tool in found:
+        goal = goals.get(tool)
+        table.append(
+            compared(
+                f"shmctl scan --json vs {tool} {setup}",
+                "ms",
+                s["scan"],
+                baseline=f"{found[tool][0]}, same files",
+                base=med[tool],
+                at_most=goal,
+                goal=f"<= {goal}x {tool}" if goal else "",
+                digits=1,
+            )
+        )
+    table.append(
+        reference(f"shmctl scan --json [{n_small:,} files, {holders_n} holders]", "ms", s["scan-small"], 1)
+    )
+    linear = 1.1 * n / n_small
+    table.append(
+        compared(
+            f"shmctl scan --json growth {n_small:,} -> {n:,} files",
+            "ms",
+            s["scan"],
+            baseline=f"shmctl scan --json of {n_small:,} files",
+            base=med["scan-small"],
+            at_most=linear,
+            goal=f"<= {linear:g} (linear)",
+            digits=1,
+        )
+    )
+    return table, notes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--files", type=int, default=200)
-    parser.add_argument("--holders", type=int, default=4)
-    parser.add_argument("--held-fraction", type=float, default=0.5, help="share of files that are held")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--shm", type=Path, default=Path("/dev/shm"))
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="1,000 files, 20 holders, 3 rounds")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+    parser.add_argument("--files", type=int, help="files scanned (default 10,000; --quick 1,000)")
+    parser.add_argument("--growth-from", type=int, help="files of the growth base (default files/10)")
+    parser.add_argument("--holders", type=int, help="holder processes (default 200; --quick 20)")
+    parser.add_argument("--repeat", type=int, help="rounds; the median is shown (default 7; --quick 3)")
+    parser.add_argument(
+        "--startup-repeat", type=int, help="rounds of start-up figures (default 11; --quick 5)"
+    )
+    parser.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="tmpfs to work in")
+    args = parser.parse_args(argv)
+    files = args.files or (1000 if args.quick else 10_000)
+    small_n = args.growth_from or max(1, files // 10)
+    holders_n = args.holders or (20 if args.quick else 200)
+    repeat = args.repeat or (3 if args.quick else 7)
+    interrupt_on_signals()
+    with ExitStack() as stack:
+        work = stack.enter_context(private_dir(args.shm, "scan"))
+        print(f"files in {work}", flush=True)
+        empty = work / "empty"
+        empty.mkdir()
+        # Start-up figures are cheap and short, so noisier: more rounds unless told.
+        table = startup(empty, args.startup_repeat or (5 if args.quick else 11))
+        big_dir, small_dir = work / "big", work / "small"
+        big_dir.mkdir()
+        small_dir.mkdir()
+        big = make_files(big_dir, files, "bench")
+        small = make_files(small_dir, small_n, "bench")
+        held_big, held_small = big[::2], small[::2]
+        shares = [[*held_big[k::holders_n], *held_small[k::holders_n]] for k in range(holders_n)]
+        stack.enter_context(holders(shares))
+        rows, notes = scan_rows(
+            (big_dir, big, {p.name for p in held_big}),
+            (small_dir, small, {p.name for p in held_small}),
+            holders_n,
+            repeat,
+        )
+        table += rows
+    procs = sum(1 for name in os.listdir("/proc") if name.isdigit())
+    print(
+        f"{files:,} files ({len(big[::2]):,} held) and {small_n:,} ({len(small[::2]):,} held), "
+        f"{holders_n} holder processes (half map-only, half fd-only), {procs} processes on the host; "
+        f"scan with verdicts and lease probes; whole processes, median of {repeat} rounds"
+    )
+    print_table(table, value="ms", digits=1)
+    for note in notes:
+        print(f"note: {note}")
+    if args.json:
+        write_json(table, args.json)
+    return 0
 
-    root = args.shm / f"kvbench-{uuid.uuid4().hex[:10]}"
-    root.mkdir(mode=0o700)
-    children: list[subprocess.Popen[str]] = []
+
+def run() -> int:
     try:
-        paths = []
-        for i in range(args.files):
-            path = root / f"vllm_offload_bench-{i:05d}.mmap"
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, 1 << 20)
-            os.pwrite(fd, b"x", 0)
-            os.close(fd)
-            paths.append(path)
-        held = paths[: int(len(paths) * args.held_fraction)]
-        for k in range(args.holders):
-            share = [str(p) for p in held[k :: args.holders]]
-            child = subprocess.Popen(
-                [sys.executable, "-c", _HOLDER, *share],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            children.append(child)
-            assert child.stdout is not None
-            if child.stdout.readline() != "ready\n":
-                raise SystemExit("a holder process failed to start")
-        # Processes this run cannot inspect and did not start (a sandbox's init, say): vouched
-        # for, as an operator would with --assume-not-holding, so the verdicts can be checked.
-        blind = frozenset(u.pid for u in collect_holders(inodes=()).uninspected)
-
-        report = scan(root, grace_s=0, assume_not_holding=blind)
-        held_names = {p.name for p in held}
-        ours = {e.name for e in report.entries if e.status is Status.LIVE}
-        timings: dict[str, float] = {
-            "scan() (verdicts)": median_ms(
-                lambda: scan(root, grace_s=0, assume_not_holding=blind), args.repeat
-            ),
-            "collect_holders() (/proc pass)": median_ms(
-                lambda: collect_holders(devices=[os.stat(root).st_dev]), args.repeat
-            ),
-        }
-        agree = {"scan() (verdicts)": ours == held_names}
-        procs = sum(1 for name in os.listdir("/proc") if name.isdigit())
-
-        if shutil.which("lsof"):
-            argv = ["lsof", "-n", "-P", "-w", "+D", str(root)]
-            timings["lsof +D"] = median_ms(lambda: run_tool(argv), args.repeat)
-            found = {Path(line.split()[-1]).name for line in run_tool(argv).splitlines()[1:]}
-            agree["lsof +D"] = found == held_names
-        if shutil.which("fuser"):
-            argv = ["fuser", *map(str, paths)]
-            timings["fuser FILE..."] = median_ms(lambda: run_tool(argv), args.repeat)
-            agree["fuser FILE..."] = len(run_tool(argv).split()) >= len(held)
-        if shutil.which("lsfd"):
-            argv = ["lsfd", "-n", "-o", "PID,ASSOC,NAME", "-Q", f'NAME =~ "^{root}/"']
-            timings["lsfd -Q NAME"] = median_ms(lambda: run_tool(argv), args.repeat)
-            found = {Path(line.split()[-1]).name for line in run_tool(argv).splitlines()}
-            agree["lsfd -Q NAME"] = found == held_names
-
-        for child in children:
-            child.send_signal(signal.SIGKILL)
-            child.wait()
-        children.clear()
-        start = time.perf_counter()
-        reaped = reap(root, grace_s=0, assume_not_holding=blind)
-        reap_ms = (time.perf_counter() - start) * 1e3
-
-        base = timings["scan() (verdicts)"]
-        print(
-            f"{args.files} region files, {len(held)} held by {args.holders} processes, "
-            f"{procs} processes on the host, median of {args.repeat}"
-        )
-        print(f"{'tool':34} {'ms':>9} {'x scan()':>9}  agrees on held files")
-        for tool, ms in timings.items():
-            ok = agree.get(tool)
-            print(f"{tool:34} {ms:9.1f} {ms / base:9.2f}  {'-' if ok is None else 'yes' if ok else 'NO'}")
-        per_region = reap_ms / max(1, len(reaped.removed))
-        print(
-            f"reap() of {len(reaped.removed)} orphans (each re-proven under its write lease before unlink): "
-            f"{reap_ms:.1f} ms, {per_region:.2f} ms per region"
-        )
-        return 0 if all(agree.values()) and len(reaped.removed) == args.files else 1
-    finally:
-        for child in children:
-            child.send_signal(signal.SIGKILL)
-            child.wait()
-        shutil.rmtree(root, ignore_errors=True)
+        return main()
+    except RuntimeError as e:
+        print(f"bench_scan: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; its files are removed and its holders ended", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -1,19 +1,59 @@
 """The row every bench script reports, its table and its JSON: what ``make bench`` merges.
 
 Imported by the scripts as a sibling module (``python bench/bench_x.py`` puts ``bench/`` first
-on ``sys.path``).
+on ``sys.path``). Every script takes ``--quick`` (smaller sizes, fewer repetitions) and
+``--json FILE`` (its rows, a JSON list of :class:`Row`); ``bench/run.py`` runs them all and
+merges the rows into one table.
+
+How to read a row (one convention for every script):
+
+* ``median``, ``min`` and ``max`` are over the repetitions, in ``unit``. Repetitions of the
+  figures a row compares are interleaved (one of each per round), so a noisy moment on a shared
+  machine hits both sides alike.
+* ``ratio`` is this row's median divided by its baseline's median, in the same unit:
+  ``baseline`` names what it was divided by (another figure of the same run, or a fixed budget
+  such as "budget 0.25 s" where the goal is an absolute time).
+* ``goal`` is a bound on ``ratio`` and ``met`` its verdict. For costs (s, ms, us) lower is
+  better and the goal reads ``<= X``; for rates (GiB/s) higher is better and it reads ``>= X``.
+  An absolute-time goal is ``<= 1.0x budget``: the median fits the budget.
+* A row with no goal is context: a reference others are divided by (``baseline`` "" and
+  ``ratio`` 1.0 when it is itself the reference), or a figure shown for comparison; its
+  ``met`` is True.
+
+The signal helpers let every script clean up the same way: SIGTERM and SIGHUP raise
+KeyboardInterrupt like Ctrl-C, so ``finally`` blocks run; cleanup itself runs with those
+signals ignored, so a second Ctrl-C cannot cut it short.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+#: Every directory the scan and reap benches make in the shm root starts with this, so
+#: nobody mistakes it for an engine's files and the harness can tell its own leftovers.
+SHM_PREFIX = "shmctl-bench-"
+#: Set by bench/run.py for the scripts it starts: their directories carry it, so the harness
+#: removes what its own run left and never another run's.
+TAG_ENV = "SHMCTL_BENCH_TAG"
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One figure, in the form the ``make bench`` harness merges."""
+    """One figure, in the form the ``make bench`` harness merges (see the module docstring)."""
 
     figure: str
     unit: str
@@ -24,6 +64,51 @@ class Row:
     ratio: float
     goal: str
     met: bool
+
+
+ROW_KEYS = tuple(f.name for f in fields(Row))
+
+
+def spread(samples: Sequence[float]) -> tuple[float, float, float]:
+    """Median, min and max of ``samples``."""
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def reference(figure: str, unit: str, samples: Sequence[float], digits: int = 3) -> Row:
+    """A row others are divided by: no baseline, ratio 1.0, no goal."""
+    med, lo, hi = spread(samples)
+    return Row(figure, unit, round(med, digits), round(lo, digits), round(hi, digits), "", 1.0, "", True)
+
+
+def compared(
+    figure: str,
+    unit: str,
+    samples: Sequence[float],
+    *,
+    baseline: str,
+    base: float,
+    at_most: float | None = None,
+    goal: str = "",
+    digits: int = 3,
+) -> Row:
+    """A cost divided by ``base`` (the baseline's median, or a budget); met when ratio <= at_most.
+
+    ``goal`` is the text of the bound; without ``at_most`` the row has no goal.
+    """
+    med, lo, hi = spread(samples)
+    ratio = med / base if base > 0 else math.inf
+    graded = at_most is not None
+    return Row(
+        figure,
+        unit,
+        round(med, digits),
+        round(lo, digits),
+        round(hi, digits),
+        baseline,
+        round(ratio, 3),
+        (goal or f"<= {at_most}") if graded else "",
+        ratio <= at_most if at_most is not None else True,
+    )
 
 
 def print_table(table: Sequence[Row], *, value: str, digits: int) -> None:
@@ -45,3 +130,59 @@ def write_json(table: Sequence[Row], path: str) -> None:
     with open(path, "w") as f:
         json.dump([asdict(r) for r in table], f, indent=2)
         f.write("\n")
+
+
+def read_json(path: str | Path) -> list[Row]:
+    """The rows a script wrote with :func:`write_json`; ValueError if they are not rows."""
+    with open(path) as f:
+        data: Any = json.load(f)
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: not a JSON list of rows")
+    out = []
+    for item in data:
+        if not isinstance(item, dict) or set(item) != set(ROW_KEYS):
+            raise ValueError(f"{path}: a row needs exactly the keys {', '.join(ROW_KEYS)}: {item!r}")
+        out.append(Row(**item))
+    return out
+
+
+def shmctl_argv() -> list[str]:
+    """The console script installed next to this interpreter, started as an operator starts it."""
+    script = Path(sys.executable).parent / "shmctl"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shmctl"]
+
+
+# ---------------------------------------------------------------- signals and cleanup
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def interrupt_on_signals() -> None:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt, as SIGINT does, so ``finally`` blocks run."""
+    for sig in _INTERRUPTS:
+        signal.signal(sig, _interrupt)
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """Cleanup runs to the end: SIGINT, SIGTERM and SIGHUP are ignored meanwhile."""
+    saved = [(sig, signal.signal(sig, signal.SIG_IGN)) for sig in _INTERRUPTS]
+    try:
+        yield
+    finally:
+        for sig, handler in saved:
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def private_dir(shm: Path, what: str) -> Iterator[Path]:
+    """``SHM/shmctl-bench-[TAG]WHAT-UUID``, mode 0700, removed with everything in it on the way out."""
+    path = shm / f"{SHM_PREFIX}{os.environ.get(TAG_ENV, '')}{what}-{uuid.uuid4().hex[:10]}"
+    path.mkdir(mode=0o700)
+    try:
+        yield path
+    finally:
+        with signals_ignored():
+            shutil.rmtree(path, ignore_errors=True)
