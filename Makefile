@@ -13,7 +13,7 @@ UNITDIR ?= /etc/systemd/system
 SHMCTL  ?= $(shell command -v shmctl)
 SHELL_SCRIPTS := scripts/*.sh deploy/docker/entrypoint.sh .ci/run
 
-.PHONY: venv test check lint typecheck pytest demo bench completions man install-units clean
+.PHONY: venv test check lint typecheck pytest demo bench bench-quick completions man install-units clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,15 @@ test: check pytest
 demo: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
+# Every bench script side by side, one table of ratios (bench/run.py): the table as Markdown
+# for the README in build/bench/results.md, the same with the machine in results.json.
+# `make bench QUICK=1` (or bench-quick): smaller sizes, fewer repetitions.
 bench: venv
-	PATH="$(CURDIR)/$(BIN):$$PATH" bash -c 'for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done'
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/run.py $(if $(QUICK),--quick) \
+	  --json build/bench/results.json --markdown build/bench/results.md
+
+bench-quick:
+	$(MAKE) bench QUICK=1
 
 completions: venv
 	for sh in bash zsh fish; do \
