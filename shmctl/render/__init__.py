@@ -14,11 +14,12 @@ import dataclasses
 import enum
 import errno
 import json
+import operator
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,36 +41,48 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}
+_ENCODERS: dict[type, Callable[[Any], Any]] = {}
+
+
+def _encoder_for(cls: type, value: Any) -> Callable[[Any], Any]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = tuple(f.name for f in dataclasses.fields(value))
+        get = operator.attrgetter(*names)
+        if len(names) == 1:
+            return lambda v: {names[0]: get(v)}
+        return lambda v: dict(zip(names, get(v), strict=True))
+    if isinstance(value, enum.Enum):
+        return operator.attrgetter("value")
+    if isinstance(value, PurePath):
+        return str
+    if isinstance(value, (set, frozenset)):
+        return sorted
+    raise TypeError(f"{cls.__name__} is not JSON serialisable")
 
 
 def _encode_default(value: Any) -> Any:
     """What the C encoder cannot write itself: dataclasses, non-str enums, paths, sets.
 
-    Field names are looked up once per class; str and int enums (``Status``, ``Evidence``)
-    and tuples are already JSON to the encoder, so a 10,000-file scan makes no reflection
-    call per field.
+    One converter per class, made on first sight: a dataclass becomes a dict through one
+    ``attrgetter`` call; str and int enums (``Status``, ``Evidence``) and tuples are already
+    JSON to the encoder. A 10,000-file scan makes no reflection call per field or object.
     """
     cls = type(value)
-    names = _FIELDS.get(cls)
-    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(value))
-    if names is not None:
-        return {name: getattr(value, name) for name in names}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    raise TypeError(f"{cls.__name__} is not JSON serialisable")
+    encode = _ENCODERS.get(cls)
+    if encode is None:
+        encode = _ENCODERS[cls] = _encoder_for(cls, value)
+    return encode(value)
 
 
 def dumps(document: Any, *, pretty: bool = False) -> str:
     """``document`` as JSON text: one line (the C encoder), or indented for a person."""
     if pretty:
         return json.dumps(document, indent=2, ensure_ascii=False, default=_encode_default)
-    return json.dumps(document, separators=(",", ":"), ensure_ascii=False, default=_encode_default)
+    # Report documents are trees of frozen dataclasses and tuples: no cycle to look for (the
+    # circular check was a third of the time of a 10,000-file scan's JSON).
+    return json.dumps(
+        document, separators=(",", ":"), ensure_ascii=False, default=_encode_default, check_circular=False
+    )
 
 
 def emit_json(document: Any) -> None:
