@@ -218,6 +218,7 @@ def collect_holders(
     ignore_fds: Mapping[int, Collection[int]] | None = None,
     deleted: bool = True,
     locks: bool = True,
+    skip_pids: Collection[int] = (),
 ) -> HolderIndex:
     """One pass over every process in ``proc_root``.
 
@@ -233,6 +234,7 @@ def collect_holders(
         None if inodes is None else frozenset(inodes),
     )
     ignored = {pid: frozenset(fds) for pid, fds in (ignore_fds or {}).items()}
+    skipped = frozenset(skip_pids)
     seen = _Seen()
     try:
         pids = procfs.list_pids(proc_root)
@@ -243,13 +245,15 @@ def collect_holders(
         pids = []
     inspected = 0
     for pid in pids:
+        if pid in skipped:
+            continue
         if _inspect(proc_root, pid, wanted, ignored.get(pid, frozenset()), seen, deleted):
             inspected += 1
     # /proc/locks does not say through which fd a lock was taken. The caller's flock on
     # these inodes goes through its ignored fds; any other lock that pid holds on them
     # needs another open fd (flock LOCK_EX excludes every other flock, and a POSIX lock
     # dies with the process's last fd), and that fd is seen above.
-    anonymous = _read_locks(proc_root, wanted, seen, frozenset(ignored)) if locks else set()
+    anonymous = _read_locks(proc_root, wanted, seen, frozenset(ignored) | skipped) if locks else set()
     hidden = _hidden_processes(proc_root)
     if hidden is not None:
         seen.uninspected.append(hidden)

@@ -55,6 +55,8 @@ class LeaseProbe:
         return self.state is LeaseState.HELD
 
 
+FREE = LeaseProbe(LeaseState.FREE)
+HELD = LeaseProbe(LeaseState.HELD)
 DISABLED = LeaseProbe(None, "disabled (--no-lease)")
 NOT_PROBED = LeaseProbe(None, "not probed")
 
@@ -73,10 +75,10 @@ def take(fd: int, st_uid: int, fsuid: int) -> LeaseProbe:
     try:
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
     except BlockingIOError:
-        return LeaseProbe(LeaseState.HELD)
+        return HELD
     except OSError as e:
         return LeaseProbe(None, unavailable_reason(e, st_uid, fsuid))
-    return LeaseProbe(LeaseState.FREE)
+    return FREE
 
 
 def broken(fd: int) -> bool:

@@ -1,0 +1,223 @@
+"""The scan's probes in a forked child beside the ``/proc`` pass: same verdicts, no new holder.
+
+``kvoffload.liveness.prober`` forks a child that opens, leases and locks every region file
+while the parent walks ``/proc``. The child's fds, leases and flocks are the scan's own: a
+verdict must never count them, and a child that fails must leave the whole answer to the
+parent. Real files, real holders, real forks; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.liveness import prober
+from kvoffload.liveness.lease import LeaseState
+from kvoffload.liveness.scan import Evidence, ScanReport, Status, scan
+from tests.procs import Child, entry, leave_orphan, region_path, write_file
+from tests.test_liveness_namespaces import IN_CHILD_PID_NS, cli_scan, json_entry, require_unshare
+
+needs_two_cpus = pytest.mark.skipif(not prober.parallel_possible(), reason="needs two CPUs and fork")
+
+
+def verdicts(report: ScanReport) -> list[tuple[Any, ...]]:
+    return [
+        (e.name, e.status, e.decided_by, tuple(h.pid for h in e.holders), e.lease, e.lock_held)
+        for e in report.entries
+    ]
+
+
+@contextmanager
+def watching_probes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[prober.Probing[Any, Any]]]:
+    """Every ``Probing`` the scan makes, to see whether its child answered."""
+    made: list[prober.Probing[Any, Any]] = []
+    real = prober.start
+
+    @contextmanager
+    def start(items: Sequence[Any], probe: Callable[[Any], Any], *, parallel: bool | None = None) -> Any:
+        with real(items, probe, parallel=parallel) as probing:
+            made.append(probing)
+            yield probing
+
+    monkeypatch.setattr(prober, "start", start)
+    yield made
+
+
+def gone(pid: int) -> bool:
+    """True once ``pid`` is neither running nor a zombie waiting for us."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@needs_two_cpus
+def test_probing_in_a_child_gives_the_verdicts_of_probing_after_the_walk(
+    root: Path, engine_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    orphan = leave_orphan(root, engine_id + "-dead")
+    fresh = write_file(region_path(root, engine_id + "-fresh"))
+    holders: dict[str, Child] = {}
+    try:
+        for mode in ("vllm", "map-only", "fd-only", "lock-only", "region"):
+            path = region_path(root, f"{engine_id}-{mode}")
+            if mode in ("map-only", "fd-only", "lock-only"):
+                write_file(path)
+            holders[mode] = Child(mode, path)
+        with watching_probes(monkeypatch) as made:
+            forked = scan(root, grace_s=0, parallel=True)
+        serial = scan(root, grace_s=0, parallel=False)
+        fresh_kept = scan(root, grace_s=3600, parallel=True)
+    finally:
+        for child in holders.values():
+            child.kill()
+    assert made[0].parallel, "the child's answer was not used"
+    assert verdicts(forked) == verdicts(serial)
+    for mode, child in holders.items():
+        e = entry(forked, child.path.name)
+        assert e.status is Status.LIVE, (mode, e.reason)
+        assert child.pid in [h.pid for h in e.holders], mode
+        assert made[0].pids.isdisjoint(h.pid for h in e.holders)
+    for path in (orphan, fresh):
+        e = entry(forked, path.name)
+        assert (e.status, e.decided_by, e.lease, e.lock_held) == (
+            Status.ORPHANED,
+            Evidence.LEASE,
+            LeaseState.FREE,
+            False,
+        )
+    assert entry(fresh_kept, fresh.name).status is Status.STARTING
+
+
+@needs_two_cpus
+def test_the_childs_own_leases_and_locks_never_make_a_file_live(
+    root: Path, engine_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Enough files for the scan to fork by itself: every one nobody holds is orphaned."""
+    count = prober.PARALLEL_MIN + 88
+    paths = [write_file(region_path(root, f"{engine_id}-{i:04d}"), 4096) for i in range(count)]
+    with watching_probes(monkeypatch) as made:
+        report = scan(root, grace_s=0)
+    assert made[0].parallel
+    assert [e.name for e in report.entries] == sorted(p.name for p in paths)
+    assert {(e.status, e.decided_by, e.holders) for e in report.entries} == {
+        (Status.ORPHANED, Evidence.LEASE, ())
+    }
+    assert report.summary.orphaned == count
+
+
+@needs_two_cpus
+def test_what_the_scanning_process_itself_holds_is_still_seen(root: Path, engine_id: str) -> None:
+    path = write_file(region_path(root, engine_id))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        report = scan(root, grace_s=0, parallel=True)
+    finally:
+        os.close(fd)
+    e = entry(report, path.name)
+    assert (e.status, e.decided_by) == (Status.LIVE, Evidence.PROC)
+    assert [h.pid for h in e.holders] == [os.getpid()]
+    assert e.lease is LeaseState.HELD  # the child inherited our fd: a second open file description
+
+
+@pytest.mark.root
+def test_a_forking_scan_in_a_child_pid_namespace_keeps_what_only_the_lease_sees(
+    root: Path, engine_id: str
+) -> None:
+    """The CLI, in its own PID namespace, with enough files to fork: the host's holder it
+    cannot see keeps its file (the lease), every other file is orphaned."""
+    require_unshare()
+    held = write_file(region_path(root, engine_id + "-held"))
+    for i in range(prober.PARALLEL_MIN):
+        write_file(region_path(root, f"{engine_id}-{i:04d}"), 4096)
+    with Child("map-only", held):
+        result = cli_scan(root, prefix=IN_CHILD_PID_NS)
+    assert result.returncode == 1, result.stderr  # 1: orphans were found
+    report = json.loads(result.stdout)
+    live = json_entry(report, held.name)
+    assert (live["status"], live["lease"], live["decided_by"]) == ("live", "held", "lease")
+    others = [e for e in report["entries"] if e["name"] != held.name]
+    assert len(others) == prober.PARALLEL_MIN
+    assert {(e["status"], e["decided_by"]) for e in others} == {("orphaned", "lease")}
+
+
+def test_a_child_that_fails_leaves_every_probe_to_the_parent() -> None:
+    parent = os.getpid()
+
+    def probe(item: int) -> tuple[int, int]:
+        if os.getpid() != parent:
+            raise RuntimeError("the child fails")
+        return item, os.getpid()
+
+    with prober.start(range(5), probe, parallel=True) as probing:
+        (child,) = probing.pids
+        answers = probing.results()
+    assert answers == [(i, parent) for i in range(5)]
+    assert not probing.parallel
+    assert gone(child)
+
+
+def test_a_child_killed_mid_probe_leaves_every_probe_to_the_parent() -> None:
+    parent = os.getpid()
+
+    def probe(item: int) -> int:
+        if os.getpid() != parent:
+            time.sleep(60)
+        return item * 2
+
+    with prober.start(range(3), probe, parallel=True) as probing:
+        (child,) = probing.pids
+        os.kill(child, signal.SIGKILL)
+        assert probing.results() == [0, 2, 4]
+    assert not probing.parallel
+    assert gone(child)
+
+
+def test_an_interrupted_scan_kills_and_reaps_its_child() -> None:
+    def probe(item: int) -> int:
+        time.sleep(60)
+        return item
+
+    children: list[int] = []
+
+    def interrupted_walk() -> None:
+        with prober.start(range(3), probe, parallel=True) as probing:
+            children.extend(probing.pids)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted_walk()
+    assert len(children) == 1
+    assert gone(children[0])
+
+
+def test_the_child_answers_for_every_item_in_order() -> None:
+    parent = os.getpid()
+    with prober.start(range(2000), lambda i: (i, os.getpid() != parent), parallel=True) as probing:
+        answers = probing.results()
+    assert probing.parallel
+    assert answers == [(i, True) for i in range(2000)]
+
+
+def test_a_threaded_process_never_forks_to_probe() -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert not prober.parallel_possible()
+        with prober.start(range(prober.PARALLEL_MIN * 2), lambda i: i) as probing:
+            assert probing.pids == frozenset()
+            assert probing.results() == list(range(prober.PARALLEL_MIN * 2))
+    finally:
+        stop.set()
+        thread.join()
