@@ -60,9 +60,15 @@ def removal_s(argv: Sequence[str], directory: Path) -> float:
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{argv[0]} ... exited {done.returncode}: {done.stderr.strip()[-300:]}")
-    left = os.listdir(directory)
+    left = sorted(os.listdir(directory))
     if left:
-        raise RuntimeError(f"{' '.join(argv[:3])} ... left {len(left)} files, e.g. {left[0]}")
+        said = [
+            line for line in done.stdout.splitlines() if left[0].removeprefix("vllm_offload_")[:-5] in line
+        ]
+        raise RuntimeError(
+            f"{' '.join(argv[:3])} ... left {len(left)} of the files, e.g. {left[0]}"
+            + (f": {said[0].strip()}" if said else "")
+        )
     return seconds
 
 
