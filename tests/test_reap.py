@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ from tests.procs import (
     churn,
     leave_orphan,
     region_path,
+    uninspectable_pids,
     write_file,
 )
 
@@ -297,3 +298,43 @@ def test_the_grace_period_still_sees_a_file_changed_just_now_despite_an_old_mtim
     assert report.removed == ()
     assert report.summary.starting == 1
     path.unlink()
+
+
+@pytest.fixture
+def fd_limit() -> Iterable[Callable[[int], None]]:
+    """Lower this process's soft fd limit for one test; the old one comes back after it."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def lower(soft: int) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, before[1]))
+
+    yield lower
+    resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+@pytest.mark.parametrize(("soft", "files"), [(256, 128), (2048, 512), (8192, 1024)])
+def test_a_batch_holds_at_most_a_quarter_of_the_fd_limit(
+    fd_limit: Callable[[int], None], soft: int, files: int
+) -> None:
+    from kvoffload.liveness.reap import batch_files
+
+    fd_limit(soft)
+    assert batch_files() == files
+
+
+@pytest.mark.parametrize("lease", [True, False], ids=["lease", "no-lease"])
+def test_orphans_across_several_batches_all_go_and_a_holder_between_them_stays(
+    root: Path, engine_id: str, fd_limit: Callable[[int], None], lease: bool
+) -> None:
+    fd_limit(512)  # 128 files a batch: three batches and a bit
+    orphans = [write_file(region_path(root, f"{engine_id}-{i:03d}"), 4096) for i in range(400)]
+    held = write_file(region_path(root, f"{engine_id}-200-held"), 4096)
+    with Child("map-only", held):
+        report = reap(root, grace_s=0, use_lease=lease, assume_not_holding=uninspectable_pids())
+        still = held.exists()
+    assert sorted(e.name for e in report.removed) == sorted(p.name for p in orphans)
+    assert not any(p.exists() for p in orphans)
+    assert still
+    assert report.kept == ()

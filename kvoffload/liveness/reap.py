@@ -34,7 +34,7 @@ removed it is proven again (anchors D5), with every file of the group:
       no unlink-by-inode, and such an opener gets the removed file.
 
    Where no lease could be taken, a fresh ``/proc`` pass restricted to the locked inodes
-   (one per batch of regions, see ``RECHECK_BATCH_FILES``) must show no holder and no
+   (one per batch of regions, see ``batch_files``) must show no holder and no
    uninspected process, and the name is re-``lstat``ed and unlinked;
 5. segments first and the base last, so a new creator can only win ``O_EXCL`` on the base
    once the whole old region is gone;
@@ -57,7 +57,6 @@ import os
 import shlex
 import stat
 import time
-import uuid
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,9 +85,31 @@ _GONE = "gone before removal (removed by someone else)"
 _RACED = "kept: raced with an opener (it opened the file during removal)"
 _REGION_KEPT = "kept: another file of its region was kept (a region goes whole or not at all)"
 #: Regions re-proven together where no lease can be taken: one /proc pass (~10 ms on a quiet
-#: host) re-checks a batch of about this many files. Each file stays LOCK_EX'ed from before
+#: host) re-checks a batch of at least this many files. Each file stays LOCK_EX'ed from before
 #: that pass until after its unlink, so a kvoffload participant can never slip in.
 RECHECK_BATCH_FILES = 128
+#: The most files one batch holds open at once, however many fds the process may have.
+MAX_BATCH_FILES = 1024
+
+
+def batch_files() -> int:
+    """Files per batch: a quarter of the soft fd limit, between 128 and 1024.
+
+    Every file of a batch stays open (LOCK_EX) until the batch is done, and each batch costs
+    one settle wait (and, without a lease, one ``/proc`` pass): bigger batches are faster,
+    but a batch must never run the process out of fds (an open that fails keeps the region).
+    """
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return RECHECK_BATCH_FILES
+    if soft == resource.RLIM_INFINITY:
+        return MAX_BATCH_FILES
+    return max(RECHECK_BATCH_FILES, min(MAX_BATCH_FILES, soft // 4))
+
+
 #: How long parked files (renamed to a private name, lease released) wait before their last
 #: check: an opener that resolved the region name just before the rename needs only to be
 #: scheduled to enter the file's open count. One wait per batch, not per file.
@@ -287,11 +308,15 @@ def _reap(
     removed: list[ScanEntry] = []
     kept: list[ScanEntry] = []
     batch: list[list[ScanEntry]] = []
+    files = 0
+    size = batch_files()
     for group in groups:
         batch.append(group)
-        if sum(len(g) for g in batch) >= RECHECK_BATCH_FILES:
+        files += len(group)
+        if files >= size:
             _reap_batch(dir_fd, batch, proc_root, assume_not_holding, removed, kept)
             batch = []
+            files = 0
     if batch:
         _reap_batch(dir_fd, batch, proc_root, assume_not_holding, removed, kept)
     return removed, kept
@@ -377,7 +402,8 @@ def _lock_group(
     """Open and LOCK_EX every file of a region (steps 1-3); on any failure keep the whole region."""
     locked: _Locked = []
     gone: list[ScanEntry] = []
-    with contextlib.ExitStack() as locks:
+    opened: list[int] = []
+    try:
         for e in members:
             try:
                 fd = open_probe_fd(dir_fd, e.name)
@@ -389,9 +415,9 @@ def _lock_group(
                     "replaced by a symlink" if err.errno == errno.ELOOP else f"cannot open ({_errname(err)})"
                 )
                 return _keep_region(members, gone, kept, Status.UNKNOWN, f"{e.name} {why}")
-            locks.callback(os.close, fd)  # closing releases the lock and any lease
+            opened.append(fd)
             st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != e.identity:
+            if st.st_ino != e.ino or st.st_dev != e.dev:
                 return _keep_region(
                     members, gone, kept, Status.UNKNOWN, f"{e.name} now refers to another file"
                 )
@@ -400,9 +426,19 @@ def _lock_group(
             except BlockingIOError:
                 return _keep_region(members, gone, kept, Status.LIVE, f"{e.name}: lock held")
             locked.append((e, fd))
-        batch_locks.enter_context(locks.pop_all())
+        # Closing releases the lock and any lease: the batch does it once it is done.
+        batch_locks.callback(_close_all, opened)
+        opened = []
+    finally:
+        _close_all(opened)  # a region kept early: nothing of it stays open
     kept.extend(gone)
     return locked
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _keep_region(
@@ -507,7 +543,9 @@ def _finish_region(
     if spoiled is not None:
         kept.extend(_restore(dir_fd, e, private, _REGION_KEPT, spoiled) for e, _, private in files)
         return
-    if any(_contested_now(fd, e.uid, fsuid) for e, fd, _ in files):
+    # All or nothing: every file is checked before any goes. A one-file region skips this
+    # round; ``_finish`` makes the same check, under the same lease, right before the unlink.
+    if len(files) > 1 and any(_contested_now(fd, e.uid, fsuid) for e, fd, _ in files):
         kept.extend(_restore(dir_fd, e, private) for e, _, private in files)
         return
     for e, fd, private in files:
@@ -567,7 +605,7 @@ def _restore(
 def _private_name(e: ScanEntry) -> str:
     # Of the region pattern, so a reaper that dies between rename and unlink leaves a file
     # the next reap judges like any other; unguessable, so nobody can plant it.
-    return names.format_name(f".shmctl-reap-{uuid.uuid4().hex}", 0, _check=False)
+    return names.format_name(f".shmctl-reap-{os.urandom(16).hex()}", 0, _check=False)
 
 
 _libc_renameat2: Callable[[int, bytes, int, bytes, int], int] | None = None

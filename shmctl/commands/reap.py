@@ -117,6 +117,11 @@ def reap(
         exact_bytes=exact_bytes,
         headers=not no_headers,
     )
+    if yes and not dry_run:
+        # Nothing to show and confirm first: one scan, and each orphan is proven dead again
+        # as it goes. (A plan scan before it doubled the time of a 10,000-file reap.)
+        show(run())
+        raise typer.Exit(ExitStatus.OK)
     plan = run(dry_run=True)
     if dry_run or not plan.removed:
         show(plan)
