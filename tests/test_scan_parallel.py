@@ -24,7 +24,18 @@ from kvoffload.liveness import prober
 from kvoffload.liveness.lease import LeaseState
 from kvoffload.liveness.scan import Evidence, ScanReport, Status, scan
 from tests.procs import Child, entry, leave_orphan, region_path, write_file
-from tests.test_liveness_namespaces import IN_CHILD_PID_NS, cli_scan, json_entry, require_unshare
+from tests.test_liveness_namespaces import (
+    AS_HOLDER,
+    AS_SCANNER,
+    HOLDER_UID,
+    IN_CHILD_PID_NS,
+    SCANNER_UID,
+    cli_scan,
+    give_to,
+    json_entry,
+    require_root,
+    require_unshare,
+)
 
 needs_two_cpus = pytest.mark.skipif(not prober.parallel_possible(), reason="needs two CPUs and fork")
 
@@ -130,6 +141,7 @@ def test_what_the_scanning_process_itself_holds_is_still_seen(root: Path, engine
     assert e.lease is LeaseState.HELD  # the child inherited our fd: a second open file description
 
 
+@needs_two_cpus
 @pytest.mark.root
 def test_a_forking_scan_in_a_child_pid_namespace_keeps_what_only_the_lease_sees(
     root: Path, engine_id: str
@@ -148,6 +160,31 @@ def test_a_forking_scan_in_a_child_pid_namespace_keeps_what_only_the_lease_sees(
     assert (live["status"], live["lease"], live["decided_by"]) == ("live", "held", "lease")
     others = [e for e in report["entries"] if e["name"] != held.name]
     assert len(others) == prober.PARALLEL_MIN
+    assert {(e["status"], e["decided_by"]) for e in others} == {("orphaned", "lease")}
+
+
+@needs_two_cpus
+@pytest.mark.root
+def test_a_forking_scan_as_a_non_root_account_keeps_what_another_uid_holds(
+    root: Path, engine_id: str
+) -> None:
+    """The CLI as an unprivileged uid, with enough files to fork: a holder of another uid
+    cannot be inspected, so only the lease keeps its file; the scanner's own orphans go."""
+    require_root()
+    held = write_file(region_path(root, engine_id + "-held"))
+    dead = [write_file(region_path(root, f"{engine_id}-{i:04d}"), 4096) for i in range(prober.PARALLEL_MIN)]
+    give_to(SCANNER_UID, root, mode=0o755)
+    give_to(SCANNER_UID, held, *dead, mode=0o666)  # the scanner's own files: it may lease them
+    with Child("fd-only", held, prefix=AS_HOLDER) as holder:
+        result = cli_scan(root, prefix=AS_SCANNER)
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert holder.pid in {u["pid"] for u in report["uninspected"]}
+    assert {u["uids"][0] for u in report["uninspected"] if u["pid"] == holder.pid} == {HOLDER_UID}
+    live = json_entry(report, held.name)
+    assert (live["status"], live["lease"], live["decided_by"]) == ("live", "held", "lease")
+    others = [e for e in report["entries"] if e["name"] != held.name]
+    assert sorted(e["name"] for e in others) == sorted(p.name for p in dead)
     assert {(e["status"], e["decided_by"]) for e in others} == {("orphaned", "lease")}
 
 
