@@ -297,6 +297,11 @@ def number(x: float) -> str:
     return f"{x:.3g}"
 
 
+def ratio_text(x: float) -> str:
+    """Two decimals, the way goals are written (<= 1.5x); a small ratio keeps two digits."""
+    return f"{x:.2f}" if not math.isfinite(x) or abs(x) >= 0.1 else f"{x:.2g}"
+
+
 HEADER = ("figure", "median", "min-max", "baseline", "ratio", "goal", "met")
 
 
@@ -311,7 +316,7 @@ def cells(outcomes: Sequence[Outcome]) -> list[tuple[str, ...]]:
                     f"{number(r.median)} {r.unit}",
                     f"{number(r.min)}-{number(r.max)}",
                     r.baseline,
-                    number(r.ratio),
+                    ratio_text(r.ratio),
                     r.goal,
                     met,
                 )
