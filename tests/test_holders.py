@@ -127,6 +127,34 @@ def test_parse_maps_finds_file_mappings_and_deleted_regions() -> None:
     assert deleted == {(dev, 9): ("/dev/shm/vllm_offload_b c.mmap.2", 0x3000)}
 
 
+MAPS_OF_MANY_DEVICES = (
+    "7f0000000000-7f0000100000 rw-s 00000000 00:1b 3  /dev/shm/vllm_offload_a.mmap\n"
+    "7f0000100000-7f0000200000 rw-p 00000000 00:00 0 \n"
+    "7f0000200000-7f0000201000 rw-s 00000000 00:1b 9  /dev/shm/vllm_offload_b c.mmap.2 (deleted)\n"
+    "7f0000300000-7f0000302000 rw-s 00001000 00:1b 9  /dev/shm/vllm_offload_b c.mmap.2 (deleted)\n"
+    "7f0000400000-7f0000401000 r--p 00000000 fd:01 77 /usr/lib/libc.so.6\n"
+    "7f0000500000-7f0000501000 r--p 00000000 00:1b0 5 /other/minor-0x1b0\n"
+    "7f0000600000-7f0000601000 rw-s 00000000 fd:01 8  /data/ 00:1b in a name\n"
+    "7f0000700000-7f0000701000 rw-s 00000000 fd:01 12 /run/vllm_offload_c.mmap (deleted)\n"
+    "7f0000800000-7f0000801000 rw-s 00000000 00:1b 4  /dev/shm/vllm_offload_last.mmap"  # no newline
+)
+
+
+@pytest.mark.parametrize(
+    "devices", [(0, 0x1B), (0, 0x1B0), (0xFD, 1), (0x103, 2)], ids=["00:1b", "00:1b0", "fd:01", "103:02"]
+)
+def test_parse_maps_on_given_devices_finds_what_reading_every_line_finds(devices: tuple[int, int]) -> None:
+    dev = os.makedev(*devices)
+
+    def wanted(key: tuple[int, int]) -> bool:
+        return key[0] == dev
+
+    fast = parse_maps(MAPS_OF_MANY_DEVICES, wanted, devices={dev})
+    assert fast == parse_maps(MAPS_OF_MANY_DEVICES, wanted)
+    # Deleted regions of every device are reported, whatever the devices asked for.
+    assert set(fast[1]) == {(os.makedev(0, 0x1B), 9), (os.makedev(0xFD, 1), 12)}
+
+
 def test_parse_locks_reads_granted_locks_and_skips_waiters() -> None:
     text = (
         "1: FLOCK  ADVISORY  WRITE 1234 00:1b:5678 0 EOF\n"
