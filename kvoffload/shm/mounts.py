@@ -1,0 +1,248 @@
+"""Which mount holds a path, and whether its tmpfs backs files with huge pages.
+
+The public API, for the region, the plan and ``shmctl scan``:
+
+* ``root_mount(path) -> MountInfo | None``: the mount of this process's mount namespace
+  that holds ``path`` (resolved): the longest mount point that is a prefix of it, and of
+  several mounts stacked on one point the last one listed (the one on top). Read from
+  ``/proc/self/mountinfo``, or ``/proc/self/mounts`` where that is missing; octal escapes
+  in mount points (``\\040`` for a space) are decoded. ``None`` only when neither can be
+  read.
+* ``MountInfo``: ``mount_point``, ``fs_type``, ``source``, the superblock ``options``, and
+  for a tmpfs its ``huge=`` policy (``huge``; ``"never"`` when the option is absent, as the
+  kernel defaults) and ``size=`` (``size_bytes``), plus the system-wide
+  ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` as read with it
+  (``shmem_enabled``). ``huge_pages`` is the policy the kernel applies to the mount's
+  files: ``deny`` there turns every tmpfs off, ``force`` turns every one on.
+* ``huge_pages_advice(info) -> str | None``: for a tmpfs whose files get 4 KiB pages, the
+  fix in words and commands, with the speed-up measured by ``bench/bench_region.py``;
+  ``None`` where huge pages are already on or where a remount would not change anything.
+* ``huge_page_size()``: the size of one PMD huge page (2 MiB on x86-64).
+
+Invariant: nothing here writes or mounts anything, and every path it reads is a parameter
+with the real one as default, so tests can point it at files of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+MOUNTINFO = Path("/proc/self/mountinfo")
+MOUNTS = Path("/proc/self/mounts")
+THP_SYSFS = Path("/sys/kernel/mm/transparent_hugepage")
+#: The kernel's default huge= for a tmpfs mounted without the option.
+TMPFS_DEFAULT_HUGE = "never"
+HUGE_POLICIES = ("never", "always", "within_size", "advise")
+#: Creating and pre-faulting a 1 GiB region on a tmpfs mounted huge=within_size against the
+#: same on a default mount (huge=never), both kvoffload: bench/bench_region.py, medians of 9 on
+#: a 2-core VM. The figure the advice quotes; the bench prints the current one.
+HUGE_PAGE_SPEEDUP = 8.0
+_DEFAULT_HUGE_PAGE = 2 << 20
+_ESCAPE = re.compile(rb"\\([0-7]{3})")
+_SIZE = re.compile(r"^(\d+)([kmgtpe]?)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class MountInfo:
+    """One mount, as this process's mount namespace sees it."""
+
+    mount_point: Path
+    fs_type: str
+    source: str
+    #: Superblock options as the kernel lists them (tmpfs: size=, nr_inodes=, huge=, ...).
+    options: tuple[str, ...]
+    #: A tmpfs's huge= policy ("never" when the option is absent); None on other filesystems.
+    huge: str | None
+    #: A tmpfs's size= in bytes; None when it has none (unlimited) or is no tmpfs.
+    size_bytes: int | None
+    #: /sys/kernel/mm/transparent_hugepage/shmem_enabled when read; None where the kernel has none.
+    shmem_enabled: str | None = None
+
+    @property
+    def is_tmpfs(self) -> bool:
+        return self.fs_type == "tmpfs"
+
+    @property
+    def huge_pages(self) -> str:
+        """The policy the kernel applies to this mount's files: one of ``HUGE_POLICIES``.
+
+        ``shmem_enabled=deny`` forces every tmpfs to never, ``force`` to always (the kernel's
+        "for emergencies" and "for testing" switches); otherwise the mount's own huge= rules.
+        Only a tmpfs has huge pages here: anything else is "never".
+        """
+        if not self.is_tmpfs:
+            return "never"
+        if self.shmem_enabled == "deny":
+            return "never"
+        if self.shmem_enabled == "force":
+            return "always"
+        return self.huge if self.huge in HUGE_POLICIES else TMPFS_DEFAULT_HUGE
+
+
+# ----------------------------------------------------------------- parsing
+
+
+def _unescape(field: bytes) -> str:
+    """A mount table field with its octal escapes (``\\040`` space, ``\\134`` backslash) decoded."""
+    return os.fsdecode(_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), field))
+
+
+def parse_size(text: str) -> int | None:
+    """tmpfs's size= as the kernel prints it (``24683584k``) in bytes; None if unreadable."""
+    match = _SIZE.match(text.strip())
+    if match is None:
+        return None
+    number, suffix = int(match.group(1)), match.group(2).lower()
+    return number << (10 * " kmgtpe".index(suffix)) if suffix else number
+
+
+def _mount(point: bytes, fs_type: bytes, source: bytes, options: bytes) -> MountInfo:
+    fs = _unescape(fs_type)
+    opts = tuple(_unescape(options).split(","))
+    huge: str | None = None
+    size: int | None = None
+    if fs == "tmpfs":
+        huge = TMPFS_DEFAULT_HUGE
+        for opt in opts:
+            key, _, value = opt.partition("=")
+            if key == "huge":
+                huge = value
+            elif key == "size":
+                size = parse_size(value) or None
+    return MountInfo(Path(_unescape(point)), fs, _unescape(source), opts, huge, size)
+
+
+def parse_mountinfo(text: bytes) -> list[MountInfo]:
+    """The mounts of a ``/proc/PID/mountinfo``, in the order listed.
+
+    A line is ``ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS``;
+    lines that do not have that shape are skipped.
+    """
+    found = []
+    for line in text.splitlines():
+        fields = line.split()
+        try:
+            dash = fields.index(b"-", 6)
+        except ValueError:
+            continue
+        if len(fields) < dash + 4:
+            continue
+        found.append(_mount(fields[4], fields[dash + 1], fields[dash + 2], fields[dash + 3]))
+    return found
+
+
+def parse_mounts(text: bytes) -> list[MountInfo]:
+    """The mounts of a ``/proc/mounts`` (``SOURCE POINT FSTYPE OPTIONS 0 0``), in the order listed."""
+    found = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 4:
+            found.append(_mount(fields[1], fields[2], fields[0], fields[3]))
+    return found
+
+
+def read_shmem_enabled(sysfs: Path = THP_SYSFS) -> str | None:
+    """The bracketed choice of ``shmem_enabled`` (``always within_size advise [never] deny force``)."""
+    try:
+        text = (sysfs / "shmem_enabled").read_text()
+    except OSError:
+        return None
+    match = re.search(r"\[([a-z_]+)\]", text)
+    return match.group(1) if match else None
+
+
+def huge_page_size(sysfs: Path = THP_SYSFS) -> int:
+    """Bytes of one PMD-sized huge page (``hpage_pmd_size``; 2 MiB where the kernel does not say)."""
+    try:
+        size = int((sysfs / "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return _DEFAULT_HUGE_PAGE
+    return size if size > 0 else _DEFAULT_HUGE_PAGE
+
+
+def mount_of(path: Path | str, mounts: list[MountInfo]) -> MountInfo | None:
+    """The mount in ``mounts`` holding ``path``: the longest prefix; the last listed among equals."""
+    target = os.path.realpath(path)
+    best: MountInfo | None = None
+    for info in mounts:
+        point = str(info.mount_point)
+        inside = point in ("/", target) or target.startswith(point.rstrip("/") + "/")
+        # Later entries on the same point were mounted over the earlier ones: >= keeps the last.
+        if inside and (best is None or len(point) >= len(str(best.mount_point))):
+            best = info
+    return best
+
+
+def root_mount(
+    path: Path | str,
+    *,
+    mountinfo: Path = MOUNTINFO,
+    mounts: Path = MOUNTS,
+    sysfs: Path = THP_SYSFS,
+) -> MountInfo | None:
+    """The mount that holds ``path`` (see the module docstring), with the system's shmem_enabled."""
+    try:
+        table = parse_mountinfo(mountinfo.read_bytes())
+    except OSError:
+        try:
+            table = parse_mounts(mounts.read_bytes())
+        except OSError:
+            return None
+    info = mount_of(path, table)
+    if info is None:
+        return None
+    return MountInfo(
+        info.mount_point,
+        info.fs_type,
+        info.source,
+        info.options,
+        info.huge,
+        info.size_bytes,
+        read_shmem_enabled(sysfs),
+    )
+
+
+# ----------------------------------------------------------------- advice
+
+
+def huge_pages_advice(info: MountInfo | None, *, factor: float = HUGE_PAGE_SPEEDUP) -> str | None:
+    """How to give a tmpfs root huge pages, or None where it has them (or is no tmpfs).
+
+    The commands name the real mount point, shell-quoted. Docker accepts no huge= for the
+    tmpfs it mounts in a container (``--shm-size``, ``--tmpfs``, ``--mount type=tmpfs``), and a
+    Kubernetes ``emptyDir {medium: Memory}`` has none either: those are reached through the
+    host's ``shmem_enabled``, or by handing the container a tmpfs the host mounted itself.
+    """
+    if info is None or not info.is_tmpfs or info.huge_pages != "never":
+        return None
+    point = shlex.quote(str(info.mount_point))
+    knob = THP_SYSFS / "shmem_enabled"
+    if info.shmem_enabled == "deny":
+        why = f"{knob} is deny, which turns huge pages off for every tmpfs"
+        host = f"echo never > {knob} (or force), then mount -o remount,huge=within_size {point}"
+    else:
+        why = f"{info.mount_point} is mounted huge={info.huge}"
+        host = f"mount -o remount,huge=within_size {point}"
+    hints = [
+        f"pre-faulting runs on 4 KiB pages: {why}; with huge pages creating and pre-faulting a region "
+        f"is about {factor:g}x faster (bench/bench_region.py)",
+        f"on the host: {host}",
+    ]
+    if info.mount_point == Path("/dev/shm"):
+        size = str(info.size_bytes) if info.size_bytes else "BYTES"
+        hints.append(
+            f"Docker passes no huge= to a container's tmpfs (--shm-size or "
+            f"--mount type=tmpfs,destination=/dev/shm,tmpfs-size={size}): set echo force > {knob} "
+            "on the host (every tmpfs there then gets huge pages), or run with --ipc=host and the "
+            "host's /dev/shm remounted huge=within_size"
+        )
+        hints.append(
+            "Kubernetes: an emptyDir {medium: Memory} has no huge= option either: shmem_enabled=force "
+            "on the node, or a hostPath volume of a tmpfs the node mounts with huge=within_size "
+            "(medium: HugePages-2Mi is hugetlbfs, with pages reserved on the node in advance, not a tmpfs)"
+        )
+    return "; ".join(hints)
