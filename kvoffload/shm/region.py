@@ -26,6 +26,18 @@ What we add, because vLLM leaks (issues #51579, #54002, #57303):
   generation never deletes a newer engine's file that reuses the name (vLLM #57422).
 * A failure anywhere in construction releases everything acquired so far, in reverse
   order, and re-raises the original exception; a release step that fails is logged.
+
+Pre-faulting (``populate``) covers what vLLM's participant covers: the whole region, its
+``populate_shard`` share, or a worker's slot of every row. It runs on ``populate_threads``
+threads (default: the CPUs this process may use, shared among the expected participants,
+capped), each walking one contiguous piece with libc's ``madvise``, which lets go of the GIL
+(CPython's ``mmap.madvise`` does not). A ranked worker starts its walk at its own fraction of
+the rows, as vLLM does, so workers and their threads fault different files and pages at once.
+On a tmpfs with huge pages (``kvoffload.shm.mounts``) the ranges are widened to whole huge
+pages (the kernel allocates nothing smaller there, so a worker's slot means the huge pages
+around it), and on a ``huge=advise`` mount the mapping is ``MADV_HUGEPAGE``'d first. A thread
+that fails stops the others; the first error is raised once every thread has returned, so the
+mapping is never unmapped under a running fault.
 """
 
 from __future__ import annotations
@@ -40,8 +52,9 @@ import mmap
 import os
 import stat
 import struct
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +71,7 @@ from kvoffload.errors import (
     RootError,
 )
 from kvoffload.release import Journal, release_all
-from kvoffload.shm import names
+from kvoffload.shm import mounts, names
 from kvoffload.shm.owner import OwnerRecord, read_owner, write_owner
 
 if TYPE_CHECKING:
@@ -73,7 +86,16 @@ MIN_SEGMENT_BYTES = 1 << 30
 #: Byte-range locks of the attach ledger live here, far past any data offset.
 LEDGER_OFFSET = 1 << 62
 _MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_POPULATE_STEP = 256 << 20  # bytes per madvise call, so progress can be reported
+_MADV_HUGEPAGE: int = getattr(mmap, "MADV_HUGEPAGE", 14)
+#: Bytes per madvise call: how often a thread reports progress and looks for a stop.
+_POPULATE_STEP = 64 << 20
+#: A default thread is started only for at least this many bytes to pre-fault.
+_MIN_THREAD_BYTES = 64 << 20
+#: The default thread count's ceiling. Past a few threads the faults of one tmpfs file
+#: contend for its page cache and the memory bandwidth is shared anyway.
+DEFAULT_MAX_POPULATE_THREADS = 8
+MAX_POPULATE_THREADS = 256
+_PROGRESS_INTERVAL_S = 0.1
 _FLOCK_STRUCT = "hhqqi4x"  # struct flock on 64-bit Linux: type, whence, start, len, pid
 
 Lifetime = Literal["kvoffload", "vllm"]
@@ -155,7 +177,7 @@ def _touch_pages(mm: mmap.mmap, start: int, length: int) -> None:
             view[offset] = view[offset]
 
 
-def merge_ranges(ranges: Iterator[tuple[int, int]]) -> list[tuple[int, int]]:
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """Merge sorted, page-aligned (start, end) ranges that touch or overlap."""
     merged: list[tuple[int, int]] = []
     for start, end in ranges:
@@ -164,6 +186,195 @@ def merge_ranges(ranges: Iterator[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append((start, end))
     return merged
+
+
+Range = tuple[int, int]
+
+
+def widen_to_huge_pages(ranges: Iterable[Range], segments: Sequence[Segment], huge: int) -> list[Range]:
+    """Sorted ``ranges`` grown to the huge pages that hold them, merged.
+
+    Huge pages are aligned within each file, so a range is cut at segment boundaries and
+    widened to multiples of ``huge`` from its segment's start, never past the segment's end
+    (a file's tail shorter than a huge page stays in small pages).
+    """
+    widened: list[Range] = []
+    for start, end in ranges:
+        for seg in segments:
+            lo, hi = max(start, seg.offset), min(end, seg.offset + seg.length)
+            if lo >= hi:
+                continue
+            first = seg.offset + (lo - seg.offset) // huge * huge
+            last = min(seg.offset + seg.length, seg.offset + _round_up(hi - seg.offset, huge))
+            widened.append((first, last))
+    return merge_ranges(sorted(widened))
+
+
+def rotate(ranges: Sequence[Range], at: int) -> list[Range]:
+    """The walk over sorted ``ranges`` that starts at byte ``at`` and wraps around to the start."""
+    head: list[Range] = []
+    tail: list[Range] = []
+    for start, end in ranges:
+        if end <= at:
+            tail.append((start, end))
+        elif start >= at:
+            head.append((start, end))
+        else:
+            head.append((at, end))
+            tail.append((start, at))
+    return head + tail
+
+
+def split_walk(walk: Sequence[Range], parts: int, granule: int = PAGESIZE) -> list[list[Range]]:
+    """``walk`` cut into at most ``parts`` consecutive pieces of nearly equal bytes.
+
+    The cuts fall every ``share`` bytes into the walk, ``share`` a multiple of ``granule``: on a
+    walk of whole huge pages no two threads fault one huge page. Empty pieces are dropped.
+    """
+    total = sum(end - start for start, end in walk)
+    share = max(granule, _round_up(-(-total // max(1, parts)), granule))
+    pieces: list[list[Range]] = []
+    current: list[Range] = []
+    room = share
+    for start, end in walk:
+        offset = start
+        while offset < end:
+            if room == 0 and len(pieces) < parts - 1:
+                pieces.append(current)
+                current, room = [], share
+            last = len(pieces) >= parts - 1
+            take = end - offset if last else min(end - offset, room)
+            current.append((offset, offset + take))
+            offset += take
+            room = max(0, room - take)
+    pieces.append(current)
+    return [piece for piece in pieces if piece]
+
+
+def default_populate_threads(todo: int, participants: int | None = None, cpus: int | None = None) -> int:
+    """Threads for pre-faulting ``todo`` bytes: this process's CPUs, shared among the
+    ``participants`` that pre-fault at the same time, capped, and one per at least 64 MiB."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+    share = max(1, cpus // max(1, participants or 1))
+    return max(1, min(DEFAULT_MAX_POPULATE_THREADS, share, todo // _MIN_THREAD_BYTES))
+
+
+def check_populate_threads(value: object) -> int | None:
+    """``value`` if it is None (the default) or a thread count in 1..``MAX_POPULATE_THREADS``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_POPULATE_THREADS:
+        raise ConfigError(
+            "populate_threads",
+            f"{value!r} is not a thread count in 1..{MAX_POPULATE_THREADS}",
+            fix="leave it unset for one per CPU this process may use, shared among the participants",
+        )
+    return value
+
+
+_madvise_fn: Any = None
+
+
+def _madvise(address: int, length: int, advice: int) -> None:
+    """libc ``madvise``: ctypes releases the GIL for the call, so threads fault in parallel."""
+    global _madvise_fn
+    if _madvise_fn is None:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _madvise_fn = fn
+    if _madvise_fn(address, length, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _address(mm: mmap.mmap) -> int:
+    # from_buffer exports the mapping; drop the export at once, or close() would refuse.
+    anchor = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(anchor)
+    del anchor
+    return address
+
+
+def prefault(
+    pieces: Sequence[Sequence[Range]],
+    fault: Callable[[int, int], None],
+    progress: Progress | None = None,
+) -> None:
+    """Run ``fault(offset, length)`` over every piece in steps, one thread per piece.
+
+    A single piece runs on the calling thread. Progress ``(done, total)`` is reported from
+    the calling thread only (a callback need not be thread-safe), at most every 0.1 s and
+    once at the end, however many small ranges there are. The first exception of any thread
+    stops the others at their next step and is raised once all of them have returned; so is
+    one that interrupts the caller (Ctrl-C) while it waits.
+    """
+    total = sum(end - start for piece in pieces for start, end in piece)
+    counters = [0] * len(pieces)  # one slot per thread: no lock needed to count
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    last = {"done": -1, "at": 0.0}
+
+    def report(final: bool = False) -> None:
+        done = sum(counters)
+        now = time.monotonic()
+        if progress is None or done == last["done"] or not (final or now >= last["at"]):
+            return
+        last["done"], last["at"] = done, now + _PROGRESS_INTERVAL_S
+        progress(done, total)
+
+    def walk(index: int, inline: bool) -> None:
+        for start, end in pieces[index]:
+            offset = start
+            while offset < end:
+                if stop.is_set():
+                    return
+                length = min(_POPULATE_STEP, end - offset)
+                fault(offset, length)
+                offset += length
+                counters[index] += length
+                if inline:
+                    report()
+
+    def guarded(index: int) -> None:
+        try:
+            walk(index, inline=False)
+        except BaseException as e:
+            with lock:
+                errors.append(e)
+            stop.set()
+
+    if len(pieces) <= 1:
+        if pieces:
+            walk(0, inline=True)
+        report(final=True)
+        return
+    started: list[threading.Thread] = []
+    try:
+        for index in range(len(pieces)):
+            thread = threading.Thread(
+                target=guarded, args=(index,), name=f"kvoffload-populate-{index}", daemon=True
+            )
+            thread.start()
+            started.append(thread)
+        for thread in started:
+            while thread.is_alive():
+                thread.join(_PROGRESS_INTERVAL_S)
+                if not stop.is_set():
+                    report()
+    finally:
+        # Also on our own interruption: no thread may still fault when the caller unmaps.
+        stop.set()
+        for thread in started:
+            thread.join()
+    if errors:
+        raise errors[0]
+    report(final=True)
 
 
 class SharedOffloadRegion:
@@ -197,6 +408,7 @@ class SharedOffloadRegion:
         poll_interval_s: float = 0.005,
         min_segment_bytes: int = MIN_SEGMENT_BYTES,
         populate: bool | Literal["madvise", "touch"] = True,
+        populate_threads: int | None = None,
         reserve: bool | None = None,
         progress: Progress | None = None,
         journal: Journal | None = None,
@@ -205,6 +417,7 @@ class SharedOffloadRegion:
         self._validate(
             num_chunks, rank, kv_bytes_per_chunk, cpu_page_size, populate_shard, participant, participants
         )
+        threads = check_populate_threads(populate_threads)
         if lifetime not in ("kvoffload", "vllm"):
             raise ConfigError("lifetime", f"{lifetime!r} is neither 'kvoffload' nor 'vllm'")
         self.num_chunks = num_chunks
@@ -223,8 +436,17 @@ class SharedOffloadRegion:
         self.creator = False
         self.unlinked = False
         self.populated_with: str | None = None
-        # Reserve pages only when they will be populated anyway; otherwise stay sparse like vLLM.
-        self._reserve = bool(populate) if reserve is None else reserve
+        #: How the root's mount backs the files: "never" (4 KiB pages), "always", "within_size", "advise".
+        self.mount = mounts.root_mount(self.root)
+        self.huge_pages = self.mount.huge_pages if self.mount is not None else "never"
+        #: What this participant pre-faults, in the order it walks it (empty without populate).
+        self.populate_walk: tuple[Range, ...] = ()
+        #: Threads the pre-fault runs on (0 without populate).
+        self.populate_threads = 0
+        self._granule = PAGESIZE
+        if populate:
+            self._plan_populate(populate_shard, threads, populate)
+        self._reserve = self._should_reserve(populate) if reserve is None else reserve
 
         self._dir_fd = -1
         self._fd = -1
@@ -250,7 +472,7 @@ class SharedOffloadRegion:
             self._attach()
             if populate:
                 faults.point("region.populate")
-                self._populate(populate_shard, progress, None if populate is True else populate)
+                self._populate(progress, None if populate is True else populate)
             if populate_shard is not None and self._barrier is not None:
                 self._call_barrier()
             undo.pop_all()
@@ -391,9 +613,8 @@ class SharedOffloadRegion:
         if not self._reserve:
             os.ftruncate(fd, length)
             return
-        # Reserving the pages up front made creation 16-32% faster on tmpfs (bench/bench_region.py),
-        # and a root that fills up meanwhile fails here with ENOSPC instead of EFAULT in the
-        # middle of populate (vLLM #54002).
+        # A root that fills up meanwhile fails here with ENOSPC, before any joiner maps the
+        # file, instead of in the middle of populate (vLLM #54002). See _should_reserve for when.
         try:
             os.posix_fallocate(fd, 0, length)
         except OSError as e:
@@ -456,9 +677,7 @@ class SharedOffloadRegion:
         # each segment file over its part (MAP_FIXED), as vLLM does.
         self._mm = mmap.mmap(-1, self.total_bytes, flags=mmap.MAP_PRIVATE, prot=prot)
         undo.callback(self.journal.quietly, f"unmap {self.path.name}", self._close_mapping)
-        anchor = ctypes.c_char.from_buffer(self._mm)
-        base_addr = ctypes.addressof(anchor)
-        del anchor
+        base_addr = _address(self._mm)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [
@@ -553,8 +772,10 @@ class SharedOffloadRegion:
             for row in range(self.num_chunks)
         )
 
-    def _populate(self, shard: tuple[int, int] | None, progress: Progress | None, method: str | None) -> None:
-        assert self._mm is not None
+    def _plan_populate(
+        self, shard: tuple[int, int] | None, threads: int | None, populate: bool | str
+    ) -> None:
+        """What this participant pre-faults, in which order, on how many threads."""
         if shard is not None:
             share = _round_up(-(-self.total_bytes // shard[1]), PAGESIZE)
             start = min(self.total_bytes, shard[0] * share)
@@ -563,22 +784,102 @@ class SharedOffloadRegion:
             ranges = self.slot_ranges()
         else:
             ranges = [(0, self.total_bytes)]
+        if self.huge_pages != "never":
+            # The kernel allocates whole huge pages here: faulting a slot's 4 KiB allocates the
+            # 2 MiB around it anyway, so walk those, once each, instead of one call per row.
+            self._granule = mounts.huge_page_size()
+            ranges = widen_to_huge_pages(ranges, self.segments, self._granule)
+        todo = sum(end - start for start, end in ranges)
+        if populate == "touch":
+            count = 1  # the per-page touch holds the GIL: threads would only take turns
+        elif threads is not None:
+            count = threads
+        else:
+            count = default_populate_threads(todo, self.participants)
+        self.populate_threads = count
+        walk = ranges
+        if shard is None and self.rank is not None:
+            # vLLM starts worker r's walk at row r * rows / slots, so workers fault different
+            # files (and here, pages) at once; with threads, each thread of each worker its own.
+            slots = max(1, self.row_stride // self.cpu_page_size)
+            first_row = self.rank * self.num_chunks // (slots * count)
+            walk = rotate(ranges, first_row * self.row_stride // self._granule * self._granule)
+        self.populate_walk = tuple(walk)
+
+    def _should_reserve(self, populate: bool | str) -> bool:
+        """Reserve with posix_fallocate before sizing, when that costs nothing and defeats nothing.
+
+        Single-threaded, fallocate and then faulting is faster than faulting alone on 4 KiB pages
+        (it allocates in bulk), and a root that fills up meanwhile fails with ENOSPC before any
+        joiner maps the file. But fallocate holds the file's lock and runs on one CPU, while
+        faults from several threads allocate in parallel: with threads it is the bottleneck. And
+        fallocate allocates without a mapping, so on ``huge=advise`` (no MADV_HUGEPAGE reaches it)
+        and on ``huge=within_size`` of kernels that judge a fallocate by the file's size before
+        it (0 at that point) it allocates small pages, which populate then keeps: it would defeat
+        the huge pages it was meant to prepare. ``huge=always`` gives it huge pages on any kernel.
+        """
+        if not populate:
+            return False  # stay sparse like vLLM
+        if self.huge_pages == "always":
+            return True
+        return self.huge_pages == "never" and self.populate_threads <= 1
+
+    def _populate(self, progress: Progress | None, method: str | None) -> None:
+        assert self._mm is not None
+        if self.huge_pages == "advise":
+            # huge=advise gives huge pages only to mappings that ask, and only faults after it.
+            try:
+                _madvise(_address(self._mm), self.total_bytes, _MADV_HUGEPAGE)
+            except OSError as e:
+                log.info("MADV_HUGEPAGE on %s refused (%s); pre-faulting 4 KiB pages", self.path, e)
         use_madvise = _populate_write_supported(self._mm) if method is None else method == "madvise"
         self.populated_with = "madvise" if use_madvise else "touch"
-        todo = sum(end - start for start, end in ranges)
-        done = 0
-        for start, end in ranges:
-            offset = start
-            while offset < end:
-                length = min(_POPULATE_STEP, end - offset)
-                if use_madvise:
-                    self._mm.madvise(_MADV_POPULATE_WRITE, offset, length)
-                else:
-                    _touch_pages(self._mm, offset, length)
-                offset += length
-                done += length
-                if progress is not None:
-                    progress(done, todo)
+        mm = self._mm
+        if use_madvise:
+            base = _address(mm)
+            pieces = split_walk(self.populate_walk, self.populate_threads, self._granule)
+
+            def fault(offset: int, length: int) -> None:
+                try:
+                    _madvise(base + offset, length, _MADV_POPULATE_WRITE)
+                except OSError as e:
+                    raise OSError(
+                        e.errno,
+                        f"{e.strerror} (MADV_POPULATE_WRITE of bytes {offset}..{offset + length})",
+                        str(self.path),
+                    ) from None
+
+        else:
+            pieces = [list(self.populate_walk)]
+            self.populate_threads = 1  # the per-page touch holds the GIL: threads would take turns
+
+            def fault(offset: int, length: int) -> None:
+                _touch_pages(mm, offset, length)
+
+        try:
+            prefault(pieces, fault, progress)
+        except OSError as e:
+            space = self._space_error(e)
+            if space is None:
+                raise
+            raise space from e
+
+    def _space_error(self, error: OSError) -> InsufficientSpaceError | None:
+        """The space error a fault really is when the root filled up (vLLM #54002's EFAULT)."""
+        if error.errno not in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC) or self._fd < 0:
+            return None
+        vfs = os.fstatvfs(self._fd)
+        free = vfs.f_bavail * vfs.f_frsize
+        if free >= self.total_bytes - self._resident_bytes():
+            return None
+        return InsufficientSpaceError(self.path, self.total_bytes, free)
+
+    def _resident_bytes(self) -> int:
+        resident = 0
+        for name in self._identities:
+            with contextlib.suppress(OSError):
+                resident += os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False).st_blocks * 512
+        return resident
 
     # ----------------------------------------------------------------- views
 
