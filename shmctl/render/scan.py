@@ -199,6 +199,17 @@ def scan_report(
     if show_deleted:
         _deleted_table(report, exact_bytes=exact_bytes, headers=headers)
     _summary(summary_line(report.summary, report.root, exact=exact_bytes), headers=headers)
+    _note_huge_pages(report)
+
+
+def _note_huge_pages(report: ScanReport) -> None:
+    """On a terminal, say once how to get huge pages where the root has none (JSON: ``mount``).
+
+    Only to a person: a timer's journal would get the same line every minute.
+    """
+    mount = report.mount
+    if mount is not None and mount.advice and report.entries and sys.stderr.isatty():
+        warning_line(mount.advice, note=True)
 
 
 def _deleted_table(report: ScanReport, *, exact_bytes: bool, headers: bool) -> None:

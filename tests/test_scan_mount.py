@@ -1,0 +1,83 @@
+"""``scan`` says how its root is mounted and, where regions get 4 KiB pages, how to get huge ones.
+
+Real tmpfs mounts of the test's own (``huge=never`` and ``huge=within_size``), a real file in
+each, the CLI's JSON checked against its schema, and the note on a real terminal only.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvoffload.liveness.scan import scan
+from kvoffload.shm import mounts
+from tests.hostile import shmctl
+from tests.mounts import mounted_tmpfs
+from tests.procs import region_path, write_file
+from tests.schemas import validate
+from tests.terminal import on_a_terminal
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture(params=["never", "within_size"])
+def shm_root(tmp_path: Path, request: pytest.FixtureRequest, engine_id: str) -> Iterator[tuple[Path, str]]:
+    """A tmpfs mounted huge=PARAM holding one orphaned region file."""
+    with mounted_tmpfs(tmp_path / "shm root", f"size=16m,huge={request.param}") as point:
+        write_file(region_path(point, engine_id))
+        yield point, request.param
+
+
+def huge_pages_on(huge: str) -> bool:
+    info = mounts.root_mount("/")
+    deny_or_force = info is not None and info.shmem_enabled in ("deny", "force")
+    if deny_or_force:
+        pytest.skip("shmem_enabled deny/force overrides every mount's huge= here")
+    return huge != "never"
+
+
+def test_the_report_names_the_mount_its_huge_policy_and_the_fix(shm_root: tuple[Path, str]) -> None:
+    root, huge = shm_root
+    on = huge_pages_on(huge)
+    mount = scan(root, grace_s=0).mount
+    assert mount is not None
+    assert (mount.mount_point, mount.fs_type, mount.huge, mount.huge_pages) == (root, "tmpfs", huge, huge)
+    assert mount.size_bytes == 16 << 20
+    if on:
+        assert mount.advice is None
+    else:
+        assert mount.advice is not None
+        assert f"mount -o remount,huge=within_size {shlex.quote(str(root))}" in mount.advice
+        assert f"{mounts.HUGE_PAGE_SPEEDUP:g}x faster" in mount.advice
+
+
+def test_the_json_carries_the_mount_and_validates(shm_root: tuple[Path, str]) -> None:
+    root, huge = shm_root
+    huge_pages_on(huge)
+    done = shmctl("scan", "--root", str(root), "--json", "--grace", "0")
+    document = json.loads(done.stdout)
+    validate(document, "scan")
+    assert document["mount"]["mount_point"] == str(root)
+    assert (document["mount"]["huge"], document["mount"]["huge_pages"]) == (huge, huge)
+    assert (document["mount"]["advice"] is None) == (huge != "never")
+    assert "huge" not in done.stderr  # JSON mode: the document says it, stderr does not
+
+
+def test_a_terminal_gets_the_fix_once_and_a_pipe_never(shm_root: tuple[Path, str]) -> None:
+    root, huge = shm_root
+    on = huge_pages_on(huge)
+    seen = on_a_terminal("scan", "--root", str(root), "--grace", "0", on=("stdout", "stderr"))
+    piped = shmctl("scan", "--root", str(root), "--grace", "0")
+    notes = [
+        line
+        for line in seen.plain.splitlines()
+        if line.startswith("shmctl: note: pre-faulting runs on 4 KiB")
+    ]
+    assert len(notes) == (0 if on else 1), seen.plain
+    assert all(f"huge=within_size {shlex.quote(str(root))}" in note for note in notes)
+    assert "pre-faulting" not in piped.stderr
+    assert "orphaned" in piped.stdout  # the table itself is unchanged
