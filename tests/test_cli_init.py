@@ -10,9 +10,11 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from kvoffload.config import PAGESIZE
 from kvoffload.engine.plan import MAX_WORLD_SIZE
 from kvoffload.engine.report import measure_residue
 from kvoffload.liveness.reap import reap_command
-from kvoffload.shm import names
+from kvoffload.shm import mounts, names
 from shmctl.app import main
 from tests.procs import REPO, leave_orphan, write_file
 from tests.terminal import on_a_terminal
@@ -108,6 +110,77 @@ def test_dry_run_plain_text_has_every_section_and_no_box_drawing(
         assert section in out
     assert "capacity: " in out
     assert not set("┏━┃│") & set(out)
+
+
+def test_dry_run_reports_how_the_root_is_mounted_as_the_library_sees_it(
+    capsys: pytest.CaptureFixture[str], root: Path, engine_id: str
+) -> None:
+    code, out, _ = init(capsys, root, kv_config(engine_id), "--dry-run", "--json")
+    assert code == 0
+    huge = json.loads(out)["huge_pages"]
+    info = mounts.root_mount(root)
+    assert info is not None
+    assert (huge["mount_point"], huge["fs_type"], huge["huge"], huge["effective"]) == (
+        str(info.mount_point),
+        info.fs_type,
+        info.huge,
+        info.huge_pages,
+    )
+    assert huge["fix"] == mounts.huge_pages_advice(info)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A tmpfs mounted with the options of ``request.param`` (needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = tmp_path / "tmpfs"
+    point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", request.param, "tmpfs", str(point)], check=False)
+    if done.returncode != 0:
+        pytest.skip(f"this environment does not allow mounting a tmpfs with {request.param}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("tmpfs", ["size=64m"], indirect=True)
+def test_a_root_without_huge_pages_gets_the_remount_fix_with_the_measured_factor(
+    capsys: pytest.CaptureFixture[str], tmpfs: Path, engine_id: str
+) -> None:
+    if mounts.read_shmem_enabled() == "force":
+        pytest.skip("shmem_enabled=force gives every tmpfs huge pages on this host")
+    code, out, err = init(capsys, tmpfs, kv_config(engine_id), "--dry-run")
+    assert (code, err) == (0, "")
+    assert f"huge pages: {tmpfs} (tmpfs): huge=never, " in out
+    assert ": off: 4 KiB pages" in out
+    [fix] = [line for line in out.splitlines() if line.startswith("fix: ") and "huge" in line]
+    assert f"mount -o remount,huge=within_size {shlex.quote(str(tmpfs))}" in fix
+    assert f"about {mounts.HUGE_PAGE_SPEEDUP:g}x faster" in fix
+    assert os.listdir(tmpfs) == []
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("tmpfs", ["size=64m,huge=within_size"], indirect=True)
+def test_a_root_with_huge_pages_says_so_and_has_no_fix(
+    capsys: pytest.CaptureFixture[str], tmpfs: Path, engine_id: str
+) -> None:
+    if mounts.read_shmem_enabled() == "deny":
+        pytest.skip("shmem_enabled=deny turns huge pages off on this host")
+    code, out, _ = init(capsys, tmpfs, kv_config(engine_id), "--dry-run", "--json")
+    assert code == 0
+    huge = json.loads(out)["huge_pages"]
+    assert (huge["mount_point"], huge["huge"], huge["effective"], huge["fix"]) == (
+        str(tmpfs),
+        "within_size",
+        "within_size",
+        None,
+    )
+    code, out, _ = init(capsys, tmpfs, kv_config(engine_id), "--dry-run")
+    assert "huge=within_size, " in out
+    assert ": on (within_size)" in out
 
 
 def test_unknown_keys_warn_on_stderr_and_run_anyway(

@@ -32,6 +32,7 @@ from kvoffload.engine.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
 from kvoffload.engine.plan import (
     Capacity,
     Geometry,
+    HugePages,
     InitPlan,
     PlannedFile,
     PlanStage,
@@ -167,6 +168,7 @@ SHAPES = [
     ("init-plan", "tier", TierPlan),
     ("init-plan", "stage", PlanStage),
     ("init-plan", "capacity", Capacity),
+    ("init-plan", "huge_pages", HugePages),
     ("init", None, InitReport),
     ("init", "error", ErrorInfo),
     ("init", "stage_result", StageResult),

@@ -3,8 +3,10 @@
 ``plan(config)`` answers an operator's questions before a 200 GiB region is attempted:
 which files (names, segment split, bytes each), the row layout of the worker slots,
 which tiers in which order, which stages run where, and whether the shm root has room,
-with the exact fix when it does not. Everything is computed from the configuration and
-one ``statvfs`` of the root; nothing is created, opened or mapped.
+with the exact fix when it does not, and whether the root's mount gives the region huge
+pages (and how to turn them on when it does not). Everything is computed from the
+configuration, one ``statvfs`` of the root and the mount table; nothing is created, opened
+or mapped.
 
 The stage list is the fault-point registry filtered to what this spec and world size
 run, so ``--fail-at`` names, the matrix rows and the plan always agree.
@@ -21,6 +23,7 @@ from typing import Any
 from kvoffload import faults
 from kvoffload.config import PAGESIZE, OffloadingConfig, OffloadingSizing
 from kvoffload.errors import ConfigError, RootError
+from kvoffload.shm import mounts
 from kvoffload.shm.region import plan_segments
 
 SCHEMA_VERSION = 1
@@ -140,6 +143,22 @@ class Capacity:
     fix: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class HugePages:
+    """How the root's mount backs the region: huge pages or 4 KiB ones, and the fix for the latter.
+
+    ``huge`` is the mount's own huge= (a tmpfs without the option: "never"), ``effective``
+    what the kernel applies once ``shmem_enabled`` (deny, force) has had its say.
+    """
+
+    mount_point: Path | None
+    fs_type: str | None
+    huge: str | None
+    shmem_enabled: str | None
+    effective: str
+    fix: str | None
+
+
 class CapacityError(RootError):
     """The root has less free space than what is about to be allocated; nothing was started.
 
@@ -175,6 +194,7 @@ class InitPlan:
     tiers: tuple[TierPlan, ...]
     stages: tuple[PlanStage, ...]
     capacity: Capacity
+    huge_pages: HugePages
     warnings: tuple[str, ...]
 
     def stage(self, name: str) -> PlanStage | None:
@@ -286,6 +306,7 @@ def plan(config: OffloadingConfig) -> InitPlan:
         tiers=_tiers(config, sizing),
         stages=plan_stages(config),
         capacity=capacity,
+        huge_pages=check_huge_pages(config.root),
         warnings=tuple(warnings),
     )
 
@@ -384,29 +405,28 @@ def check_capacity(root: Path, needed: int, chunk_bytes: int) -> Capacity:
     free = st.f_bavail * st.f_frsize
     size = st.f_blocks * st.f_frsize
     used = (st.f_blocks - st.f_bfree) * st.f_frsize
-    mount_point, fs_type = _mount_of(root)
+    info = mounts.root_mount(root)
+    mount_point, fs_type = (
+        (Path(os.path.realpath(root)), None) if info is None else (info.mount_point, info.fs_type)
+    )
     fits = free >= needed
     fix = None if fits else _fix(mount_point, fs_type, size, used, free, needed, chunk_bytes)
     return Capacity(root, mount_point, fs_type, size, used, free, needed, fits, fix)
 
 
-def _mount_of(root: Path, mounts: Path = Path("/proc/self/mounts")) -> tuple[Path, str | None]:
-    """The mount point holding ``root`` and its filesystem type (longest matching mount)."""
-    target = os.path.realpath(root)
-    best: tuple[str, str | None] = ("/", None)
-    try:
-        lines = mounts.read_text().splitlines()
-    except OSError:
-        return Path(target), None
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best[0]):
-            best = (point, fields[2])
-    return Path(best[0]), best[1]
+def check_huge_pages(root: Path) -> HugePages:
+    """Whether the root's mount gives the region huge pages; the fix, with the measured factor, if not."""
+    info = mounts.root_mount(root)
+    if info is None:
+        return HugePages(None, None, None, mounts.read_shmem_enabled(), "never", None)
+    return HugePages(
+        mount_point=info.mount_point,
+        fs_type=info.fs_type,
+        huge=info.huge,
+        shmem_enabled=info.shmem_enabled,
+        effective=info.huge_pages,
+        fix=mounts.huge_pages_advice(info),
+    )
 
 
 def size_text(n: int) -> str:

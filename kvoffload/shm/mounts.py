@@ -225,7 +225,9 @@ def huge_pages_advice(info: MountInfo | None, *, factor: float = HUGE_PAGE_SPEED
         why = f"{knob} is deny, which turns huge pages off for every tmpfs"
         host = f"echo never > {knob} (or force), then mount -o remount,huge=within_size {point}"
     else:
-        why = f"{info.mount_point} is mounted huge={info.huge}"
+        given = any(opt.startswith("huge=") for opt in info.options)
+        how = f"huge={info.huge}" if given else "without huge= (the default, never)"
+        why = f"{info.mount_point} is mounted {how}"
         host = f"mount -o remount,huge=within_size {point}"
     hints = [
         f"pre-faulting runs on 4 KiB pages: {why}; with huge pages creating and pre-faulting a region "

@@ -183,6 +183,14 @@ def plan(the_plan: InitPlan, *, json_output: bool) -> None:
     )
     if c.fix:
         _line(f"fix: {c.fix}", "yellow")
+    h = p.huge_pages
+    where = f"{h.mount_point} ({h.fs_type})" if h.mount_point is not None else "the root's mount (unknown)"
+    policy = f"huge={h.huge}, " if h.huge is not None else ""
+    system = f"shmem_enabled {h.shmem_enabled}" if h.shmem_enabled is not None else "no shmem_enabled"
+    verdict = "off: 4 KiB pages" if h.effective == "never" else f"on ({h.effective})"
+    _line(f"huge pages: {where}: {policy}{system}: {verdict}")
+    if h.fix:
+        _line(f"fix: {h.fix}", "yellow")
 
 
 def _options(options: dict[str, Any]) -> str:
