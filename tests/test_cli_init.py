@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -181,6 +182,22 @@ def test_a_root_with_huge_pages_says_so_and_has_no_fix(
     code, out, _ = init(capsys, tmpfs, kv_config(engine_id), "--dry-run")
     assert "huge=within_size, " in out
     assert ": on (within_size)" in out
+
+
+@pytest.mark.slow
+def test_a_real_init_of_over_a_gib_shows_the_bytes_populated_on_a_terminal(root: Path) -> None:
+    extra = {"cpu_bytes_to_use": 1100 << 20}
+    config = json.dumps({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra})
+    argv = ["init", "--root", str(root), "--kv-bytes-per-block", "65536", "--kv-transfer-config", config]
+    run = on_a_terminal(*argv, "--no-roundtrip", on=("stderr",), columns=160)
+    assert run.code == 0
+    bars = [line for line in re.split(r"[\r\n]", run.plain) if "worker 0 create_worker: populate" in line]
+    assert bars
+    assert any(re.search(r"\b\d+\.\d/1\.1 GiB\b", line) for line in bars)
+    assert "1.1/1.1 GiB" in run.plain
+    assert "0/? bytes" not in run.plain  # the spinner line has no byte count
+    assert "create_worker: populate" not in run.out  # progress never reaches the report on stdout
+    assert os.listdir(root) == []
 
 
 def test_unknown_keys_warn_on_stderr_and_run_anyway(

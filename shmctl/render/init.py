@@ -220,12 +220,18 @@ def progress(*, json_output: bool, starting: str = "") -> Iterator[Callable[[Pro
         TimeRemainingColumn,
     )
 
+    class PopulatedColumn(DownloadColumn):
+        """Bytes pre-faulted of the total; nothing for the spinner line, which has no total."""
+
+        def render(self, task: Any) -> Any:
+            return "" if task.total is None else super().render(task)
+
     bars: dict[str, Any] = {}
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
         BarColumn(),
-        DownloadColumn(binary_units=True),
+        PopulatedColumn(binary_units=True),
         TimeRemainingColumn(),
         TimeElapsedColumn(),
         console=console(stderr=True),
