@@ -103,7 +103,8 @@ class Mount:
 def huge_mount(size: int) -> Iterator[Mount | None]:
     """A private tmpfs mounted with huge=within_size, or None (with a note) where that cannot be."""
     if os.geteuid() != 0:
-        print("note: not root, so no tmpfs of its own with huge=within_size; only --root is measured")
+        note = "note: not root, so no tmpfs of its own with huge=within_size; only --root is measured"
+        print(note, file=sys.stderr)
         yield None
         return
     point = Path(tempfile.mkdtemp(prefix="bench-worker-huge-"))
@@ -115,7 +116,10 @@ def huge_mount(size: int) -> Iterator[Mount | None]:
             check=False,
         )
         if done.returncode != 0:
-            print(f"note: cannot mount a huge=within_size tmpfs ({done.stderr.strip()}); skipped")
+            print(
+                f"note: cannot mount a huge=within_size tmpfs ({done.stderr.strip()}); skipped",
+                file=sys.stderr,
+            )
             yield None
             return
         try:
