@@ -9,7 +9,7 @@ on its own (a live owner may have handed the region on; a dead one may have join
 
 from __future__ import annotations
 
-import socket
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,7 @@ def judge_owner(record: OwnerRecord, proc_root: Path = procfs.PROC_ROOT) -> Owne
     boot_id = procfs.read_boot_id(proc_root)
     if record.boot_id and boot_id and record.boot_id != boot_id:
         return OwnerLiveness(False, "owner ran in an earlier boot")
-    if record.hostname and record.hostname != socket.gethostname():
+    if record.hostname and record.hostname != os.uname().nodename:
         return OwnerLiveness(None, f"owner ran on host {record.hostname!r}, not this one")
     own_ns = procfs.pid_namespace("self", proc_root)
     if record.pid_ns and own_ns and record.pid_ns != own_ns:

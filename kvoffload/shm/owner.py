@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ class OwnerRecord:
             start_ticks=procfs.read_stat(pid, proc_root).start_ticks,
             boot_id=procfs.read_boot_id(proc_root),
             pid_ns=procfs.pid_namespace("self", proc_root),
-            hostname=socket.gethostname(),
+            hostname=os.uname().nodename,  # gethostname() without importing socket
             uid=os.geteuid(),
             engine_id=engine_id,
             created_at=time.time(),
