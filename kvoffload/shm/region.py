@@ -198,16 +198,24 @@ def widen_to_huge_pages(ranges: Iterable[Range], segments: Sequence[Segment], hu
     widened to multiples of ``huge`` from its segment's start, never past the segment's end
     (a file's tail shorter than a huge page stays in small pages).
     """
+    bounds = [(seg.offset, seg.offset + seg.length) for seg in segments]
     widened: list[Range] = []
+    index = 0  # both are sorted: one pass, however many rows and files
     for start, end in ranges:
-        for seg in segments:
-            lo, hi = max(start, seg.offset), min(end, seg.offset + seg.length)
-            if lo >= hi:
-                continue
-            first = seg.offset + (lo - seg.offset) // huge * huge
-            last = min(seg.offset + seg.length, seg.offset + _round_up(hi - seg.offset, huge))
-            widened.append((first, last))
-    return merge_ranges(sorted(widened))
+        while index < len(bounds) and bounds[index][1] <= start:
+            index += 1
+        j = index
+        while j < len(bounds) and bounds[j][0] < end:
+            seg_start, seg_end = bounds[j]
+            first = seg_start + (max(start, seg_start) - seg_start) // huge * huge
+            last = min(seg_end, seg_start + _round_up(min(end, seg_end) - seg_start, huge))
+            if widened and first <= widened[-1][1]:
+                if last > widened[-1][1]:
+                    widened[-1] = (widened[-1][0], last)
+            else:
+                widened.append((first, last))
+            j += 1
+    return widened
 
 
 def rotate(ranges: Sequence[Range], at: int) -> list[Range]:
