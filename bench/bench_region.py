@@ -8,6 +8,8 @@ library: ``open(O_CREAT|O_EXCL)``, ``ftruncate``, ``mmap(MAP_SHARED)``,
 kvoffload adds its lock, owner record, attach ledger and inode-checked unlink, and
 pre-faults on threads (one per CPU this process may use, capped).
 
+What is timed is creation and pre-faulting, from the exclusive create to the last page
+faulted; the teardown (unmap, close, unlink: freeing the same pages either way) is not.
 Figures, each the median rate in GiB/s of ``--repeat`` rounds (min-max), its ratio the median
 over vLLM's sequence on the default tmpfs in the same run (how many times faster):
 
@@ -16,7 +18,7 @@ over vLLM's sequence on the default tmpfs in the same run (how many times faster
 * kvoffload on one populate thread (fallocate, then one walk), and with the per-page touch
   fallback used where MADV_POPULATE_WRITE is missing: context;
 * two workers, one process each, each faulting its own slot of every row (vLLM's CPU spec at
-  world size 2), from the moment both start: context;
+  world size 2), from the moment the first starts to the moment the last is done: context;
 * on the huge=within_size tmpfs: vLLM's sequence (context), kvoffload (goal >= 10x vLLM's
   sequence on the default tmpfs) and the two workers (context).
 
@@ -71,24 +73,32 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # ---------------------------------------------------------------- the variants
 
 
-def vllm_sequence(root: Path, size: int) -> None:
+def vllm_sequence(root: Path, size: int) -> float:
+    """Seconds from the exclusive create to the end of the pre-fault; the teardown is not timed."""
     path = root / f"vllm_offload_bench-{uuid.uuid4().hex}.mmap"
+    started = time.perf_counter()
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         mm.madvise(MADV_POPULATE_WRITE, 0, size)
+        seconds = time.perf_counter() - started
         mm.close()
     finally:
         os.close(fd)
         os.unlink(path)
+    return seconds
 
 
-def kvoffload_region(root: Path, size: int, **kwargs: Any) -> None:
+def kvoffload_region(root: Path, size: int, **kwargs: Any) -> float:
+    """Seconds the constructor takes (create, size, map, attach, pre-fault); cleanup is not timed."""
+    started = time.perf_counter()
     region = SharedOffloadRegion(
         f"bench-{uuid.uuid4().hex}", size // ROW, None, ROW, ROW, root=root, **kwargs
     )
+    seconds = time.perf_counter() - started
     region.cleanup()
+    return seconds
 
 
 def _worker(root: str, engine_id: str, rows: int, rank: int, start: Any, barrier: Any, out: Any) -> None:
@@ -142,12 +152,6 @@ def two_workers(root: Path, size: int) -> float:
                 p.terminate()
                 p.join(10)
     return max(end for _, end in stamps) - min(began for began, _ in stamps)
-
-
-def timed(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 # ---------------------------------------------------------------- mounts
@@ -280,7 +284,7 @@ def run_rounds(mount_list: Sequence[Mount], size: int, repeat: int, touch: bool)
     samples: Samples = {}
     for round_ in range(repeat):
         for mount in mount_list:
-            variants: list[tuple[str, Callable[[], object]]] = [
+            variants: list[tuple[str, Callable[[], float]]] = [
                 ("vllm", lambda m=mount: vllm_sequence(m.root, size)),
                 ("kvoffload", lambda m=mount: kvoffload_region(m.root, size)),
             ]
@@ -300,7 +304,7 @@ def run_rounds(mount_list: Sequence[Mount], size: int, repeat: int, touch: bool)
             vllm_sequence(mount.root, size)
             kvoffload_region(mount.root, size)
             for variant, fn in variants:
-                samples.setdefault((variant, mount.label), []).append(timed(fn))
+                samples.setdefault((variant, mount.label), []).append(fn())
             samples.setdefault(("workers", mount.label), []).append(two_workers(mount.root, size))
     order = {v: i for i, v in enumerate(FIGURES)}
     labels = {m.label: i for i, m in enumerate(mount_list)}
