@@ -84,6 +84,7 @@ from kvoffload.shm import names
 _GONE = "gone before removal (removed by someone else)"
 _RACED = "kept: raced with an opener (it opened the file during removal)"
 _REGION_KEPT = "kept: another file of its region was kept (a region goes whole or not at all)"
+_STOPPED = "kept: the reap was stopped before this region (the process is shutting down)"
 #: Regions re-proven together where no lease can be taken: one /proc pass (~10 ms on a quiet
 #: host) re-checks a batch of at least this many files. Each file stays LOCK_EX'ed from before
 #: that pass until after its unlink, so a kvoffload participant can never slip in.
@@ -227,12 +228,18 @@ def reap(
     proc_root: Path = procfs.PROC_ROOT,
     now: float | None = None,
     only: ReapReport | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> ReapReport:
     """Scan ``root`` and remove the orphaned regions ``filters`` select.
 
     ``only`` is an earlier dry-run report (what the operator confirmed): nothing outside it
     is removed, and anything in it that is no longer orphaned, or is another inode now,
     is kept with the new verdict.
+
+    ``should_stop`` is asked before each region is locked (a long-running caller's SIGTERM):
+    once it answers True, the regions not yet begun are kept, still ``orphaned``, with the
+    reason. A region already locked is finished, so nothing is ever left half-removed or
+    parked under a private name.
     """
     report = scan(
         root,
@@ -267,7 +274,9 @@ def reap(
         for e in chosen:
             groups.setdefault(e.engine_id, []).append(e)
         with open_root(report.root) as dir_fd, lease.sigio_ignored():
-            removed, stay = _reap(dir_fd, groups.values(), proc_root, frozenset(assume_not_holding))
+            removed, stay = _reap(
+                dir_fd, groups.values(), proc_root, frozenset(assume_not_holding), should_stop
+            )
         kept.extend(stay)
     return ReapReport(
         schema_version=SCHEMA_VERSION,
@@ -303,6 +312,7 @@ def _reap(
     groups: Iterable[list[ScanEntry]],
     proc_root: Path,
     assume_not_holding: frozenset[int],
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[ScanEntry], list[ScanEntry]]:
     """Reap region by region; regions without a lease are re-checked once per batch."""
     removed: list[ScanEntry] = []
@@ -314,11 +324,11 @@ def _reap(
         batch.append(group)
         files += len(group)
         if files >= size:
-            _reap_batch(dir_fd, batch, proc_root, assume_not_holding, removed, kept)
+            _reap_batch(dir_fd, batch, proc_root, assume_not_holding, removed, kept, should_stop)
             batch = []
             files = 0
     if batch:
-        _reap_batch(dir_fd, batch, proc_root, assume_not_holding, removed, kept)
+        _reap_batch(dir_fd, batch, proc_root, assume_not_holding, removed, kept, should_stop)
     return removed, kept
 
 
@@ -337,11 +347,17 @@ def _reap_batch(
     assume_not_holding: frozenset[int],
     removed: list[ScanEntry],
     kept: list[ScanEntry],
+    should_stop: Callable[[], bool] | None = None,
 ) -> None:
     """Prove each region dead once more and unlink its files (module docstring, steps 1-6)."""
     with contextlib.ExitStack() as locks:
         locked_groups: list[_Locked] = []
         for group in groups:
+            # Between regions is the one point to stop at: nothing of this one is locked yet,
+            # and the ones already locked are finished below as usual.
+            if should_stop is not None and should_stop():
+                kept.extend(_kept(e, Status.ORPHANED, _STOPPED) for e in group)
+                continue
             # Segments first, base last (step 5).
             members = sorted(group, key=lambda e: (e.segment == 0, e.segment))
             locked = _lock_group(dir_fd, members, locks, kept)
