@@ -7,6 +7,11 @@ several roots in one file); ``add_failure`` stands in for a root that could not 
 ``add_reaps`` exports the counters that a long-running process keeps in ``ReapCounters``
 across passes.
 
+``shmctl watch`` builds its expositions with ``pod_uid_label=True``: every per-root series
+gains the label ``pod_uid`` (the UID in a kubelet volume path, empty elsewhere), and it adds
+``add_region_sizes`` and ``add_watch``. Without the flag the output is exactly the one-shot
+command's.
+
 Values are exact: the client writes every number with ``repr`` (Go's exponent form from 1e6
 on, as node_exporter does), so sizes keep every byte below 2**53 and ``time.time()`` keeps
 every digit: ``1.7961079161234567e+09``, never ``:g``'s six significant digits.
@@ -76,14 +81,32 @@ class ReapCounters:
         self.files[root] = self.files.get(root, 0) + removed
         self.resident_bytes[root] = self.resident_bytes.get(root, 0) + freed
 
+    def forget(self, root: Path | str) -> None:
+        """Drop a vanished root's counters: series of pods long gone must not pile up."""
+        label = label_text(str(root))
+        self.files.pop(label, None)
+        self.resident_bytes.pop(label, None)
+
 
 class Exposition:
     """The families of one exposition, in output order; empty families are left out."""
 
-    def __init__(self, *, top_engines: int = DEFAULT_TOP_ENGINES, version: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        top_engines: int = DEFAULT_TOP_ENGINES,
+        version: str | None = None,
+        pod_uid_label: bool = False,
+    ) -> None:
         if top_engines < 0:
             raise ValueError(f"top_engines must not be negative, got {top_engines}")
         self.top_engines = top_engines
+        self.pod_uid_label = pod_uid_label
+        root_labels = ["root", "pod_uid"] if pod_uid_label else ["root"]
+
+        def _gauge(name: str, documentation: str, *labels: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, documentation, labels=[*root_labels, *labels])
+
         self.build_info = InfoMetricFamily(
             "shmctl_build", "shmctl's version, as the label version; the value is always 1."
         )
@@ -97,7 +120,7 @@ class Exposition:
             "shmctl_scan_error",
             "Why the root could not be read, as the label error; present only while "
             "shmctl_scan_success is 0. The value is always 1.",
-            labels=["root"],
+            labels=root_labels,
         )
         self.last_run = _gauge(
             "shmctl_last_run_timestamp_seconds",
@@ -147,13 +170,28 @@ class Exposition:
         self.reaped_files = CounterMetricFamily(
             "shmctl_reaped_files",
             "Region files removed by reap since this process started (long-running modes only).",
-            labels=["root"],
+            labels=root_labels,
         )
         self.reaped_bytes = CounterMetricFamily(
             "shmctl_reaped_bytes",
             "Memory freed by reap since this process started, in bytes (st_blocks*512 of the "
             "removed files; long-running modes only).",
-            labels=["root"],
+            labels=root_labels,
+        )
+        self.region_size_max = _gauge(
+            "shmctl_region_size_max_bytes",
+            "Apparent size of the root's largest region (base and segments, live or not), in "
+            "bytes: what a restarting engine needs again; 0 when there is none.",
+        )
+        self.watch_up = GaugeMetricFamily("shmctl_watch_up", "1 while shmctl watch runs its pass loop.")
+        self.watch_pass_duration = GaugeMetricFamily(
+            "shmctl_watch_pass_duration_seconds", "How long the last pass over every root took, in seconds."
+        )
+        self.watch_passes = CounterMetricFamily(
+            "shmctl_watch_passes", "Passes over the roots since this process started."
+        )
+        self.watch_roots = GaugeMetricFamily(
+            "shmctl_watch_roots", "Roots the globs matched in the last pass."
         )
         self._families: tuple[Metric, ...] = (
             self.build_info,
@@ -172,6 +210,11 @@ class Exposition:
             self.root_free,
             self.reaped_files,
             self.reaped_bytes,
+            self.region_size_max,
+            self.watch_up,
+            self.watch_pass_duration,
+            self.watch_passes,
+            self.watch_roots,
         )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -183,49 +226,69 @@ class Exposition:
 
     def add_scan(self, report: ScanReport, usage: DiskUsage, *, scan_seconds: float) -> None:
         """Every series of one scanned root."""
-        root = label_text(str(report.root))
-        self.scan_success.add_metric([root], 1)
-        self.last_run.add_metric([root], report.scanned_at)
-        self.last_success.add_metric([root], report.scanned_at)
-        self.scan_duration.add_metric([root], scan_seconds)
+        root = self._root_labels(report.root)
+        self.scan_success.add_metric(root, 1)
+        self.last_run.add_metric(root, report.scanned_at)
+        self.last_success.add_metric(root, report.scanned_at)
+        self.scan_duration.add_metric(root, scan_seconds)
         for status in Status:
             entries = report.with_status(status)
-            self.regions.add_metric([root, status.value], len(entries))
-            self.region_resident.add_metric([root, status.value], sum(e.resident_bytes for e in entries))
-        self.orphan.add_metric([root], report.summary.orphaned_resident_bytes)
+            self.regions.add_metric([*root, status.value], len(entries))
+            self.region_resident.add_metric([*root, status.value], sum(e.resident_bytes for e in entries))
+        self.orphan.add_metric(root, report.summary.orphaned_resident_bytes)
         for engine_id, resident in orphan_bytes_by_engine(report, self.top_engines):
-            self.orphan_engine.add_metric([root, engine_id], resident)
-        self.unlinked_mapped.add_metric([root], sum(d.mapped_bytes for d in report.deleted))
-        self.uninspected.add_metric([root], len(report.uninspected))
-        self.root_size.add_metric([root], usage.total)
-        self.root_free.add_metric([root], usage.free)
+            self.orphan_engine.add_metric([*root, engine_id], resident)
+        self.unlinked_mapped.add_metric(root, sum(d.mapped_bytes for d in report.deleted))
+        self.uninspected.add_metric(root, len(report.uninspected))
+        self.root_size.add_metric(root, usage.total)
+        self.root_free.add_metric(root, usage.free)
+
+    def _root_labels(self, root: Path | str) -> list[str]:
+        """The label values that name a root: ``root``, and ``pod_uid`` when it is on."""
+        label = label_text(str(root))
+        if not self.pod_uid_label:
+            return [label]
+        from kvoffload.liveness.watch import pod_uid_of
+
+        return [label, pod_uid_of(label) or ""]
+
+    def add_region_sizes(self, report: ScanReport) -> None:
+        """``shmctl_region_size_max_bytes``: the largest region's base plus segments, any verdict."""
+        per_engine: dict[str, int] = {}
+        for entry in report.entries:
+            per_engine[entry.engine_id] = per_engine.get(entry.engine_id, 0) + entry.size_bytes
+        self.region_size_max.add_metric(self._root_labels(report.root), max(per_engine.values(), default=0))
+
+    def add_watch(self, *, up: bool, passes: int, roots: int, pass_seconds: float | None) -> None:
+        """The agent's own series; the pass duration is absent until a pass has finished."""
+        self.watch_up.add_metric([], 1 if up else 0)
+        self.watch_passes.add_metric([], passes)
+        self.watch_roots.add_metric([], roots)
+        if pass_seconds is not None:
+            self.watch_pass_duration.add_metric([], pass_seconds)
 
     def add_failure(
         self, root: Path, error: RootError, *, attempted_at: float, last_success: float | None
     ) -> None:
         """A root that could not be read: success 0, the error, and no figure that could be stale."""
-        label = label_text(str(root))
-        self.scan_success.add_metric([label], 0)
+        label = self._root_labels(root)
+        self.scan_success.add_metric(label, 0)
         # The root is its own label; the error label is the problem (a handful of texts per root).
         problem = error.message.removeprefix(f"{error.root}: ")
-        self.scan_error.add_metric([label], {"error": label_text(problem)})
-        self.last_run.add_metric([label], attempted_at)
+        self.scan_error.add_metric(label, {"error": label_text(problem)})
+        self.last_run.add_metric(label, attempted_at)
         if last_success is not None:
-            self.last_success.add_metric([label], last_success)
+            self.last_success.add_metric(label, last_success)
 
     def add_reaps(self, counters: ReapCounters) -> None:
         for root, files in counters.files.items():
-            self.reaped_files.add_metric([root], files)
+            self.reaped_files.add_metric(self._root_labels(root), files)
         for root, freed in counters.resident_bytes.items():
-            self.reaped_bytes.add_metric([root], freed)
+            self.reaped_bytes.add_metric(self._root_labels(root), freed)
 
     def text(self) -> bytes:
         """The exposition in Prometheus' text format (UTF-8)."""
         return generate_latest(self.registry)
-
-
-def _gauge(name: str, documentation: str, *labels: str) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, documentation, labels=["root", *labels])
 
 
 def label_text(value: str) -> str:
