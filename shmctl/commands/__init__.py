@@ -6,7 +6,7 @@ import typer
 
 
 def register_all(app: typer.Typer) -> None:
-    from shmctl.commands import audit, faults_cmd, init, metrics, reap, scan
+    from shmctl.commands import audit, faults_cmd, init, metrics, reap, scan, watch
 
-    for module in (scan, reap, init, faults_cmd, audit, metrics):
+    for module in (scan, reap, init, faults_cmd, audit, metrics, watch):
         module.register(app)

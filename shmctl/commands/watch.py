@@ -1,0 +1,126 @@
+"""``shmctl watch``: one agent per node that scans every shm root each interval and reaps the dead.
+
+Events go to stdout as JSON lines (nothing else does); ``--listen`` serves ``/metrics`` and
+``/healthz``. SIGTERM and SIGINT finish the file at hand and exit 0. Exit status: 0 stopped
+(or ``--once``/``--max-passes`` done), 2 usage (a bad glob, ``--listen`` address or port in
+use: before anything is scanned). A root's trouble is an event, never an exit.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from shmctl.commands.scan import AllUsersOption, AssumeOption, NoLeaseOption
+
+DEFAULT_ROOTS = ["/dev/shm"]
+
+
+def watch(
+    root: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--root",
+            metavar="GLOB",
+            help=(
+                "Directory or glob of directories to watch, matched again every pass. Repeatable. "
+                "Default /dev/shm; every pod's memory volume: "
+                "'/var/lib/kubelet/pods/*/volumes/kubernetes.io~empty-dir/*' (quote it)."
+            ),
+        ),
+    ] = None,
+    interval: Annotated[
+        str,
+        typer.Option("--interval", metavar="DURATION", help="Time from the start of one pass to the next."),
+    ] = "1m",
+    reap: Annotated[
+        bool,
+        typer.Option(
+            "--reap",
+            help="Remove regions orphaned (the same files) in two passes running, each proven dead again.",
+        ),
+    ] = False,
+    grace: Annotated[
+        str,
+        typer.Option(
+            "--grace",
+            metavar="DURATION",
+            help="Files changed more recently than this are 'starting', never orphaned.",
+        ),
+    ] = "10m",
+    listen: Annotated[
+        str | None,
+        typer.Option(
+            "--listen",
+            metavar="HOST:PORT",
+            help="Serve /metrics and /healthz here (e.g. 127.0.0.1:9477; port 0: any).",
+        ),
+    ] = None,
+    once: Annotated[bool, typer.Option("--once", help="One pass, then exit.")] = False,
+    max_passes: Annotated[
+        int | None, typer.Option("--max-passes", min=1, metavar="N", help="Exit after N passes.")
+    ] = None,
+    all_users: AllUsersOption = False,
+    assume_not_holding: AssumeOption = None,
+    no_lease: NoLeaseOption = False,
+    top_engines: Annotated[
+        int,
+        typer.Option(
+            "--top-engines",
+            min=0,
+            metavar="N",
+            help='Orphaned engines exported by engine_id per root; the rest are summed as "other".',
+        ),
+    ] = 10,
+) -> None:
+    """Watch every shm root of a node: JSON events on stdout, metrics over HTTP, --reap the dead."""
+    import contextlib
+    import signal
+    import threading
+
+    from kvoffload.durations import parse_duration
+    from kvoffload.errors import ConfigError
+    from kvoffload.liveness.watch import WatchConfig, Watcher
+    from shmctl.exit import ExitStatus
+    from shmctl.render import warning_line
+    from shmctl.render import watch as render
+
+    interval_s = parse_duration(interval, option="--interval")
+    if interval_s <= 0:
+        raise ConfigError("--interval", "must be more than 0", fix="pass a duration such as 30s or 1m")
+    config = WatchConfig(
+        roots=tuple(root or DEFAULT_ROOTS),
+        interval_s=interval_s,
+        reap=reap,
+        grace_s=parse_duration(grace, option="--grace"),
+        all_users=all_users,
+        assume_not_holding=frozenset(assume_not_holding or ()),
+        use_lease=not no_lease,
+    )
+    stop = threading.Event()
+
+    def _stop(signum: int, frame: object) -> None:
+        stop.set()
+
+    metrics = render.WatchMetrics(interval_s=interval_s, top_engines=top_engines)
+    watcher = Watcher(config, on_event=render.EventWriter(), should_stop=stop.is_set)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with render.serving(listen, metrics) if listen is not None else contextlib.nullcontext() as bound:
+            if bound is not None:
+                warning_line(f"serving /metrics and /healthz on http://{_hostport(*bound)}", note=True)
+            watcher.run(max_passes=1 if once else max_passes, on_pass=metrics.record)
+            metrics.alive = False
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    raise typer.Exit(ExitStatus.OK)
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("watch")(watch)
