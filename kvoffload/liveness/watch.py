@@ -121,10 +121,6 @@ def _check_pattern(pattern: str) -> None:
     if not pattern.startswith("/"):
         # An agent's working directory means nothing: a relative glob would watch whatever it is.
         raise ConfigError("--root", f"{pattern!r} is not an absolute path", fix=example)
-    if pattern.count("[") != pattern.count("]"):
-        raise ConfigError(
-            "--root", f"{pattern!r}: unbalanced [ ] in the glob", fix="escape a literal [ as [[]"
-        )
 
 
 def literal_roots(patterns: Collection[str]) -> frozenset[Path]:
