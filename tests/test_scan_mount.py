@@ -40,19 +40,21 @@ def huge_pages_on(huge: str) -> bool:
     return huge != "never"
 
 
-def test_the_report_names_the_mount_its_huge_policy_and_the_fix(shm_root: tuple[Path, str]) -> None:
+def test_the_report_names_the_mount_its_huge_policy_and_the_fix_as_the_plan_does(
+    shm_root: tuple[Path, str],
+) -> None:
     root, huge = shm_root
     on = huge_pages_on(huge)
-    mount = scan(root, grace_s=0).mount
-    assert mount is not None
-    assert (mount.mount_point, mount.fs_type, mount.huge, mount.huge_pages) == (root, "tmpfs", huge, huge)
-    assert mount.size_bytes == 16 << 20
+    pages = scan(root, grace_s=0).huge_pages
+    assert pages is not None
+    assert (pages.mount_point, pages.fs_type, pages.huge, pages.effective) == (root, "tmpfs", huge, huge)
+    assert pages == mounts.check_huge_pages(root)  # what init --dry-run's plan reports
     if on:
-        assert mount.advice is None
+        assert pages.fix is None
     else:
-        assert mount.advice is not None
-        assert f"mount -o remount,huge=within_size {shlex.quote(str(root))}" in mount.advice
-        assert f"{mounts.HUGE_PAGE_SPEEDUP:g}x faster" in mount.advice
+        assert pages.fix is not None
+        assert f"mount -o remount,huge=within_size {shlex.quote(str(root))}" in pages.fix
+        assert f"{mounts.HUGE_PAGE_SPEEDUP:g}x faster" in pages.fix
 
 
 def test_the_json_carries_the_mount_and_validates(shm_root: tuple[Path, str]) -> None:
@@ -61,9 +63,10 @@ def test_the_json_carries_the_mount_and_validates(shm_root: tuple[Path, str]) ->
     done = shmctl("scan", "--root", str(root), "--json", "--grace", "0")
     document = json.loads(done.stdout)
     validate(document, "scan")
-    assert document["mount"]["mount_point"] == str(root)
-    assert (document["mount"]["huge"], document["mount"]["huge_pages"]) == (huge, huge)
-    assert (document["mount"]["advice"] is None) == (huge != "never")
+    pages = document["huge_pages"]
+    assert pages["mount_point"] == str(root)
+    assert (pages["huge"], pages["effective"]) == (huge, huge)
+    assert (pages["fix"] is None) == (huge != "never")
     assert "huge" not in done.stderr  # JSON mode: the document says it, stderr does not
 
 

@@ -24,6 +24,7 @@ from kvoffload import faults
 from kvoffload.config import PAGESIZE, OffloadingConfig, OffloadingSizing
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.shm import mounts
+from kvoffload.shm.mounts import HugePages, check_huge_pages
 from kvoffload.shm.region import plan_segments
 
 SCHEMA_VERSION = 1
@@ -140,22 +141,6 @@ class Capacity:
     free_bytes: int
     needed_bytes: int
     fits: bool
-    fix: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class HugePages:
-    """How the root's mount backs the region: huge pages or 4 KiB ones, and the fix for the latter.
-
-    ``huge`` is the mount's own huge= (a tmpfs without the option: "never"), ``effective``
-    what the kernel applies once ``shmem_enabled`` (deny, force) has had its say.
-    """
-
-    mount_point: Path | None
-    fs_type: str | None
-    huge: str | None
-    shmem_enabled: str | None
-    effective: str
     fix: str | None
 
 
@@ -412,21 +397,6 @@ def check_capacity(root: Path, needed: int, chunk_bytes: int) -> Capacity:
     fits = free >= needed
     fix = None if fits else _fix(mount_point, fs_type, size, used, free, needed, chunk_bytes)
     return Capacity(root, mount_point, fs_type, size, used, free, needed, fits, fix)
-
-
-def check_huge_pages(root: Path) -> HugePages:
-    """Whether the root's mount gives the region huge pages; the fix, with the measured factor, if not."""
-    info = mounts.root_mount(root)
-    if info is None:
-        return HugePages(None, None, None, mounts.read_shmem_enabled(), "never", None)
-    return HugePages(
-        mount_point=info.mount_point,
-        fs_type=info.fs_type,
-        huge=info.huge,
-        shmem_enabled=info.shmem_enabled,
-        effective=info.huge_pages,
-        fix=mounts.huge_pages_advice(info),
-    )
 
 
 def size_text(n: int) -> str:

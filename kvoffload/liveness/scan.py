@@ -60,6 +60,7 @@ from kvoffload.liveness.verdict import (
     mtime_age_s,
 )
 from kvoffload.shm import mounts, names
+from kvoffload.shm.mounts import HugePages
 from kvoffload.shm.owner import OwnerRecord, inspect_owner
 
 __all__ = [
@@ -68,7 +69,6 @@ __all__ = [
     "SCHEMA_VERSION",
     "Evidence",
     "OwnerView",
-    "RootMount",
     "ScanEntry",
     "ScanReport",
     "ScanSummary",
@@ -81,7 +81,7 @@ DEFAULT_ROOT = Path("/dev/shm")
 DEFAULT_GRACE_S = 30.0
 #: 2: entries gained ``lease``, ``lease_error`` and ``decided_by``; the report ``visibility``.
 #: 3: ``age_s`` counts from mtime (as ``ls``), unrounded; entries gained ``mtime_ns``.
-#: 4: the scan report gained ``mount`` (the root's mount and huge pages).
+#: 4: the scan report gained ``huge_pages`` (the root's mount and its huge pages, as the plan's).
 SCHEMA_VERSION = 4
 _REMOVED = "removed during the scan"
 _PROBE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
@@ -146,38 +146,6 @@ class ScanEntry:
 
 
 @dataclass(frozen=True, slots=True)
-class RootMount:
-    """How the shm root is mounted, and what its region files get for pages.
-
-    ``huge`` is the mount's own ``huge=`` (None: not a tmpfs); ``huge_pages`` what the kernel
-    applies, ``shmem_enabled`` included; ``advice`` the fix when regions get 4 KiB pages.
-    """
-
-    mount_point: Path
-    fs_type: str
-    huge: str | None
-    huge_pages: str
-    shmem_enabled: str | None
-    size_bytes: int | None
-    advice: str | None
-
-    @classmethod
-    def of(cls, root: Path) -> RootMount | None:
-        info = mounts.root_mount(root)
-        if info is None:
-            return None
-        return cls(
-            info.mount_point,
-            info.fs_type,
-            info.huge,
-            info.huge_pages,
-            info.shmem_enabled,
-            info.size_bytes,
-            mounts.huge_pages_advice(info),
-        )
-
-
-@dataclass(frozen=True, slots=True)
 class ScanSummary:
     """Entries per status and the memory orphans pin (resident = st_blocks × 512)."""
 
@@ -234,8 +202,9 @@ class ScanReport:
     visibility: Visibility | None = None
     #: False when leases were turned off (``--no-lease``) or unsafe to take here.
     lease_enabled: bool = True
-    #: How the root is mounted (its huge pages); None when no mount table could be read.
-    mount: RootMount | None = None
+    #: How the root's mount backs region files (huge pages or 4 KiB ones), and the fix, as
+    #: ``shmctl init --dry-run`` reports it; None for reports made without looking.
+    huge_pages: HugePages | None = None
 
     @property
     def blind_spots(self) -> tuple[Uninspected, ...]:
@@ -358,7 +327,7 @@ def scan(
         assumed_not_holding=tuple(sorted(assume_not_holding)),
         visibility=view.visibility,
         lease_enabled=lease_off is None,
-        mount=RootMount.of(root),
+        huge_pages=mounts.check_huge_pages(root),
     )
 
 

@@ -249,3 +249,34 @@ def huge_pages_advice(info: MountInfo | None, *, factor: float = HUGE_PAGE_SPEED
             "(medium: HugePages-2Mi is hugetlbfs, with pages reserved on the node in advance, not a tmpfs)"
         )
     return "; ".join(hints)
+
+
+@dataclass(frozen=True, slots=True)
+class HugePages:
+    """How the root's mount backs the region: huge pages or 4 KiB ones, and the fix for the latter.
+
+    ``huge`` is the mount's own huge= (a tmpfs without the option: "never"), ``effective``
+    what the kernel applies once ``shmem_enabled`` (deny, force) has had its say.
+    """
+
+    mount_point: Path | None
+    fs_type: str | None
+    huge: str | None
+    shmem_enabled: str | None
+    effective: str
+    fix: str | None
+
+
+def check_huge_pages(root: Path | str) -> HugePages:
+    """Whether the root's mount gives the region huge pages; the fix, with the measured factor, if not."""
+    info = root_mount(root)
+    if info is None:
+        return HugePages(None, None, None, read_shmem_enabled(), "never", None)
+    return HugePages(
+        mount_point=info.mount_point,
+        fs_type=info.fs_type,
+        huge=info.huge,
+        shmem_enabled=info.shmem_enabled,
+        effective=info.huge_pages,
+        fix=huge_pages_advice(info),
+    )

@@ -203,13 +203,13 @@ def scan_report(
 
 
 def _note_huge_pages(report: ScanReport) -> None:
-    """On a terminal, say once how to get huge pages where the root has none (JSON: ``mount``).
+    """On a terminal, say once how to get huge pages where the root has none (JSON: ``huge_pages``).
 
     Only to a person: a timer's journal would get the same line every minute.
     """
-    mount = report.mount
-    if mount is not None and mount.advice and report.entries and sys.stderr.isatty():
-        warning_line(mount.advice, note=True)
+    huge = report.huge_pages
+    if huge is not None and huge.fix and report.entries and sys.stderr.isatty():
+        warning_line(huge.fix, note=True)
 
 
 def _deleted_table(report: ScanReport, *, exact_bytes: bool, headers: bool) -> None:
