@@ -32,7 +32,6 @@ from kvoffload.engine.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
 from kvoffload.engine.plan import (
     Capacity,
     Geometry,
-    HugePages,
     InitPlan,
     PlannedFile,
     PlanStage,
@@ -58,6 +57,7 @@ from kvoffload.engine.report import (
     StageResult,
 )
 from kvoffload.shm import names
+from kvoffload.shm.mounts import HugePages
 from tests.procs import REPO, TEST_TAG, Child, shm_dir
 from tests.schemas import schema, validate
 
