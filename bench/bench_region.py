@@ -40,7 +40,6 @@ import contextlib
 import mmap
 import multiprocessing
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -51,10 +50,9 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-from figures import Row, print_table, write_json
+from figures import Row, interrupt_on_signals, print_table, private_dir, signals_ignored, write_json
 
 from kvoffload.shm import mounts
 from kvoffload.shm.region import SharedOffloadRegion
@@ -64,10 +62,8 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: Rows of the scheduler-side region; the workers' rows hold two slots of half this.
 ROW = 1 << 20
 WORKER_ROW = 256 << 10
-TAG_ENV = "SHMCTL_BENCH_TAG"  # set by bench/run.py: our directories carry its tag
 DEFAULT, HUGE = "tmpfs", "tmpfs huge=within_size"
 GOALS = {("kvoffload", DEFAULT): 1.8, ("kvoffload", HUGE): 10.0}
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 # ---------------------------------------------------------------- the variants
@@ -161,28 +157,6 @@ def two_workers(root: Path, size: int) -> float:
 class Mount:
     label: str
     root: Path
-
-
-@contextlib.contextmanager
-def signals_ignored() -> Iterator[None]:
-    """Cleanup runs to its end: a second Ctrl-C must not cut an unmount short."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def private_dir(shm: Path) -> Iterator[Path]:
-    path = shm / f"bench-region-{os.environ.get(TAG_ENV, '')}{uuid.uuid4().hex[:8]}"
-    path.mkdir(mode=0o700)
-    try:
-        yield path
-    finally:
-        with signals_ignored():
-            shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -311,10 +285,6 @@ def run_rounds(mount_list: Sequence[Mount], size: int, repeat: int, touch: bool)
     return dict(sorted(samples.items(), key=lambda kv: (labels[kv[0][1]], order[kv[0][0]])))
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -331,11 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     size = (args.mib or (256 if args.quick else 1024)) * MIB
     repeat = args.repeat or (3 if args.quick else 9)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
+    interrupt_on_signals()
     notes: list[str] = []
     with contextlib.ExitStack() as stack:
-        mount_list = [Mount(DEFAULT, stack.enter_context(private_dir(args.shm)))]
+        mount_list = [Mount(DEFAULT, stack.enter_context(private_dir(args.shm, "region")))]
         if not args.no_huge:
             point = stack.enter_context(huge_mount(2 * size + 64 * MIB))
             if point is not None:
