@@ -51,8 +51,8 @@ from figures import SHM_PREFIX, TAG_ENV, Row, read_json
 
 BENCH = Path(__file__).resolve().parent
 ORDER = ("bench_scan.py", "bench_reap.py", "bench_region.py", "bench_worker.py", "bench_manager.py")
-#: Names the bench scripts give what they make in the shm root (bench_region's bench-region-*,
-#: bench_worker's bench-worker-*, an older bench_scan's kvbench-*).
+#: Names the bench scripts give what they make in the shm root (shmctl-bench-*; bench_worker's
+#: bench-worker-*, and bench-* / kvbench-* of older scripts).
 LEFTOVER_PREFIXES = (SHM_PREFIX, "bench-", "kvbench-")
 KILL_AFTER_TERM_S = 10.0
 
