@@ -42,7 +42,7 @@ from typing import ClassVar
 from kvoffload import procfs
 from kvoffload.errors import ConfigError, KvOffloadError, RootError
 from kvoffload.liveness import lease
-from kvoffload.liveness.reap import ReapFilter, ReapReport, reap
+from kvoffload.liveness.reap import ReapReport, reap
 from kvoffload.liveness.scan import DEFAULT_ROOT, SCHEMA_VERSION, ScanEntry, ScanReport, Status, scan
 
 __all__ = [
@@ -417,6 +417,9 @@ class Watcher:
         )
 
     def _reap(self, report: ScanReport, nominated: dict[str, list[ScanEntry]]) -> ReapReport:
+        # ``only`` alone picks the files, by name and inode. No engine filter: it would match
+        # through fnmatch, whose pattern cache (32,768 entries) would keep every engine id an
+        # agent ever reaped, and engines come and go with new ids for as long as it runs.
         config = self.config
         chosen = tuple(e for entries in nominated.values() for e in entries)
         plan = ReapReport(
@@ -431,7 +434,6 @@ class Watcher:
         return reap(
             report.root,
             grace_s=config.grace_s,
-            filters=ReapFilter(engine_ids=tuple(glob.escape(engine) for engine in nominated)),
             all_users=config.all_users,
             assume_not_holding=config.assume_not_holding,
             use_lease=config.use_lease,
