@@ -24,9 +24,8 @@ def watch(
             "--root",
             metavar="GLOB",
             help=(
-                "Directory or glob of directories to watch, matched again every pass. Repeatable. "
-                "Default /dev/shm; every pod's memory volume: "
-                "'/var/lib/kubelet/pods/*/volumes/kubernetes.io~empty-dir/*' (quote it)."
+                "Directory or glob of directories to watch, matched again every pass. Repeatable; quote "
+                "globs. Default /dev/shm (a node's pods: their kubelet emptyDir volumes, see the README)."
             ),
         ),
     ] = None,
