@@ -614,3 +614,31 @@ def test_listen_addresses_parse_as_host_and_port() -> None:
     assert parse_listen("[::1]:0") == ("::1", 0)
     with pytest.raises(ConfigError, match="--listen"):
         parse_listen(":9477")
+
+
+def test_with_reap_every_root_counts_from_0_and_a_vanished_roots_series_go(
+    tmp_path: Path, engine_id: str
+) -> None:
+    pods = tmp_path / "pods"
+    clean, leaky = pods / "clean" / "volumes" / "v", pods / "leaky" / "volumes" / "v"
+    clean.mkdir(parents=True)
+    leaky.mkdir(parents=True)
+    orphan = write_file(region_path(leaky, engine_id), touch=2)
+    metrics = WatchMetrics(interval_s=1, reaping=True)
+    w = Watcher(WatchConfig(roots=(str(pods / "*/volumes/*"),), interval_s=0, reap=True, grace_s=0))
+    for _ in range(2):
+        metrics.record(w.run_pass())
+    got = parse(metrics.text().decode())
+    assert value(got, "shmctl_reaped_files_total", clean) == 0
+    assert value(got, "shmctl_reaped_files_total", leaky) == 1
+    assert value(got, "shmctl_reaped_bytes_total", leaky) == 2 * PAGE
+    assert not orphan.exists()
+
+    shutil.rmtree(pods / "leaky")
+    metrics.record(w.run_pass())
+
+    got = parse(metrics.text().decode())
+    assert of_root(got, leaky) == {}
+    assert value(got, "shmctl_scan_success", clean) == 1
+    assert got[("shmctl_watch_roots", frozenset())] == 1
+    assert metrics.series_roots == (clean,)

@@ -102,7 +102,7 @@ def watch(
     def _stop(signum: int, frame: object) -> None:
         stop.set()
 
-    metrics = render.WatchMetrics(interval_s=interval_s, top_engines=top_engines)
+    metrics = render.WatchMetrics(interval_s=interval_s, top_engines=top_engines, reaping=reap)
     watcher = Watcher(config, on_event=render.EventWriter(), should_stop=stop.is_set)
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

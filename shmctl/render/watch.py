@@ -32,7 +32,7 @@ from typing import IO, Any
 from kvoffload.errors import ConfigError
 from kvoffload.liveness.watch import Event, PassReport, RootPass
 from shmctl.render import dumps, to_jsonable
-from shmctl.render.metrics import Exposition, ReapCounters
+from shmctl.render.metrics import Exposition, ReapCounters, label_text
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LISTEN_EXAMPLE = "127.0.0.1:9477"
@@ -67,13 +67,21 @@ class WatchMetrics:
     """The latest state of every watched root, as one exposition per scrape."""
 
     def __init__(
-        self, *, interval_s: float, top_engines: int = 10, monotonic: Callable[[], float] = time.monotonic
+        self,
+        *,
+        interval_s: float,
+        top_engines: int = 10,
+        reaping: bool = False,
+        monotonic: Callable[[], float] = time.monotonic,
     ):
         self._lock = threading.Lock()
         self._latest: dict[Path, RootPass] = {}
         self._counters = ReapCounters()
         self._top_engines = top_engines
         self._interval_s = interval_s
+        #: With --reap every watched root has its counters, from 0: ``increase()`` then counts
+        #: a root's first removal too (a series that starts at 1 would hide it).
+        self._reaping = reaping
         self._monotonic = monotonic
         self._passes = 0
         self._roots = 0
@@ -90,6 +98,10 @@ class WatchMetrics:
                 self._latest[result.root] = result
                 if result.reaped is not None:
                     self._counters.record(result.reaped)
+                elif self._reaping:
+                    label = label_text(str(result.root))
+                    self._counters.files.setdefault(label, 0)
+                    self._counters.resident_bytes.setdefault(label, 0)
             self._passes += 1
             self._roots = report.matched
             self._pass_seconds = report.seconds
@@ -114,7 +126,6 @@ class WatchMetrics:
                         attempted_at=result.attempted_at,
                         last_success=result.last_success,
                     )
-            # A root's counters start at its first reap: a root that never needed one has none.
             exposition.add_reaps(self._counters)
             exposition.add_watch(
                 up=self.alive, passes=self._passes, roots=self._roots, pass_seconds=self._pass_seconds
