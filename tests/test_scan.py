@@ -424,3 +424,26 @@ def test_a_region_held_in_another_pid_namespace_is_live_by_its_lock(root: Path, 
         e = entry(judge(root), path.name)
     assert e.status is Status.LIVE
     assert e.lock_held is True
+
+
+def test_a_given_proc_pass_is_used_when_it_covers_the_root_and_the_lease_stays_fresh(
+    root: Path, engine_id: str
+) -> None:
+    from kvoffload.liveness.holders import collect_holders
+
+    path = write_file(region_path(root, engine_id))
+    index = collect_holders(devices={os.stat(root).st_dev})  # before the holder exists
+    with Child("map-only", path) as child:
+        given = entry(scan(root, grace_s=0, holders=index), path.name)
+        other_device = collect_holders(devices={os.stat("/proc").st_dev})
+        own = entry(scan(root, grace_s=0, holders=other_device), path.name)
+    # The old pass names nobody, but the lease, probed now, proves the file held.
+    assert (given.status, given.decided_by, given.holders, given.lease) == (
+        Status.LIVE,
+        Evidence.LEASE,
+        (),
+        LeaseState.HELD,
+    )
+    # A pass of other devices does not cover the root: the scan walks /proc itself.
+    assert (own.status, own.decided_by) == (Status.LIVE, Evidence.PROC)
+    assert [h.pid for h in own.holders] == [child.pid]

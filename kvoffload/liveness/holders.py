@@ -110,6 +110,12 @@ class HolderIndex:
     #: Locks whose owner is not visible from here (another PID namespace, or an OFD lock).
     anonymous_locks: frozenset[FileKey]
     processes: int
+    #: The devices the pass recorded files of (None: every device); ``inodes`` passes: theirs.
+    devices: frozenset[int] | None = None
+
+    def covers(self, devices: Collection[int]) -> bool:
+        """Did this pass record every file of ``devices``? (Then a scan may use it as is.)"""
+        return self.devices is None or self.devices.issuperset(devices)
 
     def holders_of(self, dev: int, ino: int) -> tuple[Holder, ...]:
         return self.holders.get((dev, ino), ())
@@ -186,6 +192,7 @@ def parse_maps(
 
 
 _NEEDLES: dict[frozenset[int], tuple[str, ...]] = {}
+_NEEDLES_KEPT = 32
 
 
 def _lines_of(text: str, devices: Collection[int]) -> list[str]:
@@ -197,6 +204,8 @@ def _lines_of(text: str, devices: Collection[int]) -> list[str]:
     wanted = frozenset(devices)
     needles = _NEEDLES.get(wanted)
     if needles is None:
+        if len(_NEEDLES) >= _NEEDLES_KEPT:
+            _NEEDLES.clear()  # a watch agent's device sets change as pods come and go
         needles = _NEEDLES[wanted] = (
             *(f" {os.major(d):02x}:{os.minor(d):02x} " for d in sorted(wanted)),
             _DELETED + "\n",
@@ -313,6 +322,7 @@ def collect_holders(
         uninspected=tuple(seen.uninspected),
         anonymous_locks=frozenset(anonymous),
         processes=inspected,
+        devices=wanted.maps_devices if wanted.inodes is None else frozenset(),
     )
 
 

@@ -276,6 +276,7 @@ def scan(
     proc_root: Path = procfs.PROC_ROOT,
     now: float | None = None,
     parallel: bool | None = None,
+    holders: HolderIndex | None = None,
 ) -> ScanReport:
     """Judge every ``vllm_offload_*.mmap[.N]`` entry of ``root``.
 
@@ -284,7 +285,11 @@ def scan(
     map regions; it matters only where no lease can be taken. ``use_lease=False`` judges
     from ``/proc``, locks and the owner record alone (``--no-lease``). ``parallel`` forces
     probing in a child beside the ``/proc`` pass (True) or after it (False); None lets
-    ``prober`` decide from the CPUs, the threads and the number of files.
+    ``prober`` decide from the CPUs, the threads and the number of files. ``holders`` is a
+    ``/proc`` pass the caller already made (``shmctl watch`` makes one per pass for all its
+    roots); it is used only if it covers every device of the root's files, else the scan
+    makes its own. Its evidence is as old as that pass: the lease probes are not, and a reap
+    proves each file dead again anyway.
     """
     if grace_s < 0:
         raise ConfigError("grace", f"must not be negative, got {grace_s:g}s")
@@ -304,9 +309,13 @@ def scan(
         # core, a child process probes while we walk /proc (see prober).
         to_probe = regions.to_probe()
         probe = functools.partial(_probe, dir_fd, lease_off=lease_off, euid=euid)
-        with prober.start(to_probe, probe, parallel=parallel) as probing:
-            index = collect_holders(proc_root, devices=devices, skip_pids=probing.pids)
-            probes = {item.name: answer for item, answer in zip(to_probe, probing.results(), strict=True)}
+        if holders is not None and holders.covers(devices):
+            index = holders
+            probes = {item.name: probe(item) for item in to_probe}
+        else:
+            with prober.start(to_probe, probe, parallel=parallel) as probing:
+                index = collect_holders(proc_root, devices=devices, skip_pids=probing.pids)
+                probes = {item.name: answer for item, answer in zip(to_probe, probing.results(), strict=True)}
         view = ScannerView(
             index.blind_spots(frozenset(assume_not_holding)),
             visibility(proc_root),

@@ -29,6 +29,7 @@ Events are values (the dataclasses below); the caller renders them. Nothing here
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -42,6 +43,7 @@ from typing import ClassVar
 from kvoffload import procfs
 from kvoffload.errors import ConfigError, KvOffloadError, RootError
 from kvoffload.liveness import lease
+from kvoffload.liveness.holders import HolderIndex, collect_holders
 from kvoffload.liveness.reap import ReapReport, reap
 from kvoffload.liveness.scan import DEFAULT_ROOT, SCHEMA_VERSION, ScanEntry, ScanReport, Status, scan
 
@@ -277,6 +279,7 @@ class Watcher:
         self._roots: dict[Path, _RootState] = {}
         self._literals = literal_roots(config.roots)
         self.passes = 0
+        self._holders: HolderIndex | None = None
 
     @property
     def watched(self) -> tuple[Path, ...]:
@@ -322,6 +325,9 @@ class Watcher:
                 self._emit(RootAppeared(self._clock(), root, state.pod_uid))
         results: list[RootPass] = []
         stopped = False
+        # One /proc pass for every root: a node with 100 pod volumes reads each process once a
+        # pass, not once a root. Each root's scan checks that it covers its files' devices.
+        self._holders = self._pass_holders(matched)
         for root in matched:
             if self._should_stop():
                 stopped = True
@@ -331,6 +337,7 @@ class Watcher:
                 vanished.append(root)
             else:
                 results.append(result)
+        self._holders = None  # evidence of this pass only
         seconds = self._monotonic() - started
         summary = PassSummary(
             self._clock(),
@@ -355,7 +362,16 @@ class Watcher:
         state = self._roots.pop(root)
         self._emit(RootVanished(self._clock(), root, state.pod_uid))
 
-    def _scan(self, root: Path) -> ScanReport:
+    def _pass_holders(self, roots: list[Path]) -> HolderIndex | None:
+        devices = set()
+        for root in roots:
+            with contextlib.suppress(OSError):
+                devices.add(os.stat(root).st_dev)
+        if not devices:
+            return None
+        return collect_holders(self.config.proc_root, devices=devices)
+
+    def _scan(self, root: Path, *, fresh: bool = False) -> ScanReport:
         config = self.config
         return scan(
             root,
@@ -364,6 +380,7 @@ class Watcher:
             assume_not_holding=config.assume_not_holding,
             use_lease=config.use_lease,
             proc_root=config.proc_root,
+            holders=None if fresh else self._holders,
         )
 
     def _watch_root(self, root: Path) -> RootPass | None:
@@ -380,7 +397,7 @@ class Watcher:
                 self._tell_reaped(root, state, reaped)
                 if reaped.removed:
                     # The metrics and the next nominations must show the disk as it is now.
-                    report = self._scan(root)
+                    report = self._scan(root, fresh=True)
             usage = _usage(root)
         except (KvOffloadError, OSError) as error:
             if root not in self._literals and not os.path.isdir(root):
