@@ -27,6 +27,7 @@ from kvoffload.engine.report import measure_residue
 from kvoffload.liveness.reap import reap_command
 from kvoffload.shm import mounts, names
 from shmctl.app import main
+from tests.mounts import mounted_tmpfs
 from tests.procs import REPO, leave_orphan, write_file
 from tests.terminal import on_a_terminal
 
@@ -133,17 +134,8 @@ def test_dry_run_reports_how_the_root_is_mounted_as_the_library_sees_it(
 @pytest.fixture
 def tmpfs(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
     """A tmpfs mounted with the options of ``request.param`` (needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    point = tmp_path / "tmpfs"
-    point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", request.param, "tmpfs", str(point)], check=False)
-    if done.returncode != 0:
-        pytest.skip(f"this environment does not allow mounting a tmpfs with {request.param}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", request.param) as point:
         yield point
-    finally:
-        subprocess.run(["umount", str(point)], check=True)
 
 
 @pytest.mark.root

@@ -7,9 +7,7 @@ the test mounts itself.
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 
 from kvoffload.shm import mounts
 from kvoffload.shm.mounts import MountInfo
+from tests.mounts import mounted_tmpfs
 
 GIB = 1 << 30
 
@@ -214,19 +213,9 @@ def test_no_advice_where_huge_pages_are_on_or_a_remount_would_not_help(info: Mou
 
 @pytest.fixture
 def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A small tmpfs mounted with huge=within_size (needs root to mount)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    point = tmp_path / "kv shm"
-    point.mkdir()
-    options = "size=8m,huge=within_size"
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], check=False)
-    if done.returncode != 0:
-        pytest.skip("this environment does not allow mounting a tmpfs with huge=")
-    try:
+    """A small tmpfs mounted with huge=within_size, a space in its name (needs root to mount)."""
+    with mounted_tmpfs(tmp_path / "kv shm", "size=8m,huge=within_size") as point:
         yield point
-    finally:
-        subprocess.run(["umount", str(point)], check=True)
 
 
 @pytest.mark.root

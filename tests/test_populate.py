@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from kvoffload.shm.region import (
     split_walk,
     widen_to_huge_pages,
 )
+from tests.mounts import mounted_tmpfs
 
 MIB = 1 << 20
 HUGE = 2 * MIB
@@ -256,18 +256,9 @@ def test_a_file_cut_short_under_the_walk_fails_it_with_efault_and_the_joiner_unw
 
 @pytest.fixture
 def tmpfs(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
-    """A tmpfs with the options of ``request.param`` (needs root to mount)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    point = tmp_path / "tmpfs"
-    point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", request.param, "tmpfs", str(point)], check=False)
-    if done.returncode != 0:
-        pytest.skip(f"this environment does not allow mounting a tmpfs with {request.param}")
-    try:
+    """A tmpfs mounted with the options of ``request.param`` (needs root)."""
+    with mounted_tmpfs(tmp_path / "tmpfs", request.param) as point:
         yield point
-    finally:
-        subprocess.run(["umount", str(point)], check=True)
 
 
 def pmd_mapped_bytes(path: Path) -> int:
