@@ -35,7 +35,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from figures import Row, print_table, write_json
+from figures import Row, entry, report
 
 from kvoffload.base import LookupResult, OffloadKey, make_offload_key
 from kvoffload.cpu.manager import CPUOffloadingManager
@@ -273,15 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ops = args.ops or (200 if args.quick else 500)
     repeat = args.repeat or (5 if args.quick else 15)
     table = rows(measure(args.policies.split(","), sizes, ops, args.batch, repeat), sizes, args.batch)
-    print_table(table, value="median", digits=3)
-    print(f"(medians in {table[0].unit.split(' of')[0]}; lookups are one key, the rest one call per group)")
-    if args.json:
-        write_json(table, args.json)
-    return 0
+    medians = f"medians in {table[0].unit.split(' of')[0]}; lookups are one key, the rest one call per group"
+    return report(table, value="median", digits=3, notes=[medians], json_path=args.json)
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # nothing to clean: the bench holds no file or mapping
-        sys.exit(130)
+    sys.exit(entry(main, "bench_manager", interrupted="nothing to clean: it holds no file or mapping"))

@@ -31,12 +31,12 @@ from pathlib import Path
 from figures import (
     Row,
     compared,
+    entry,
     interrupt_on_signals,
-    print_table,
     private_dir,
     reference,
+    report,
     shmctl_argv,
-    write_json,
 )
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -126,22 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         samples = measure(directory, files, repeat)
     table = rows(samples, files)
     print(f"{files:,} orphans of one page each, whole processes, median of {repeat} rounds")
-    print_table(table, value="ms", digits=1)
-    if args.json:
-        write_json(table, args.json)
-    return 0
-
-
-def run() -> int:
-    try:
-        return main()
-    except RuntimeError as e:
-        print(f"bench_reap: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; its files are removed", file=sys.stderr)
-        return 130
+    return report(table, value="ms", digits=1, json_path=args.json)
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(entry(main, "bench_reap", interrupted="its files are removed"))

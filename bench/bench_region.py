@@ -52,7 +52,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from figures import Row, interrupt_on_signals, print_table, private_dir, signals_ignored, write_json
+from figures import (
+    Row,
+    entry,
+    interrupt_on_signals,
+    private_dir,
+    report,
+    signals_ignored,
+)
 
 from kvoffload.shm import mounts
 from kvoffload.shm.region import SharedOffloadRegion
@@ -322,26 +329,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"region of {size // MIB} MiB, median of {repeat} rounds, {len(os.sched_getaffinity(0))} CPUs, "
         f"kernel {os.uname().release}, {args.shm} {huge_policy}, shmem_enabled {system}"
     )
-    print_table(table, value="GiB/s", digits=2)
     if (("kvoffload", HUGE)) in samples:
         factor = statistics.median(samples[("kvoffload", DEFAULT)]) / statistics.median(
             samples[("kvoffload", HUGE)]
         )
         notes.append(f"kvoffload on huge=within_size against kvoffload on the default tmpfs: {factor:.1f}x")
-    for note in notes:
-        print(f"note: {note}")
-    if args.json:
-        write_json(table, args.json)
-    return 0
-
-
-def run() -> Any:
-    try:
-        return main()
-    except KeyboardInterrupt:
-        print("interrupted; everything it created is removed", file=sys.stderr)
-        return 130
+    return report(table, value="GiB/s", digits=2, notes=notes, json_path=args.json)
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(entry(main, "bench_region"))

@@ -46,13 +46,13 @@ from typing import Any
 from figures import (
     Row,
     compared,
+    entry,
     interrupt_on_signals,
-    print_table,
     private_dir,
     reference,
+    report,
     shmctl_argv,
     signals_ignored,
-    write_json,
 )
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -397,24 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{holders_n} holder processes (half map-only, half fd-only), {procs} processes on the host; "
         f"scan with verdicts and lease probes; whole processes, median of {repeat} rounds"
     )
-    print_table(table, value="ms", digits=1)
-    for note in notes:
-        print(f"note: {note}")
-    if args.json:
-        write_json(table, args.json)
-    return 0
-
-
-def run() -> int:
-    try:
-        return main()
-    except RuntimeError as e:
-        print(f"bench_scan: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; its files are removed and its holders ended", file=sys.stderr)
-        return 130
+    return report(table, value="ms", digits=1, notes=notes, json_path=args.json)
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(entry(main, "bench_scan", interrupted="its files are removed and its holders ended"))

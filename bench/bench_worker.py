@@ -43,10 +43,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import torch
-from figures import Row, print_table, write_json
+from figures import Row, entry, report
 
 from kvoffload.base import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
@@ -376,21 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.tensors} tensors, {args.bpc} blocks per chunk, {transfer // MiB} MiB per transfer, "
         f"median of {repeat}, device {device}, {torch.get_num_threads()} torch threads"
     )
-    print_table(table, value="GiB/s", digits=2)
-    for note in notes:
-        print(f"note: {note}")
-    if args.json:
-        write_json(table, args.json)
-    return 0
-
-
-def run() -> Any:
-    try:
-        return main()
-    except KeyboardInterrupt:
-        print("interrupted; everything it created is removed", file=sys.stderr)
-        return 130
+    return report(table, value="GiB/s", digits=2, notes=notes, json_path=args.json)
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(entry(main, "bench_worker"))

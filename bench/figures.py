@@ -36,7 +36,7 @@ import signal
 import statistics
 import sys
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import FrameType
@@ -130,6 +130,36 @@ def write_json(table: Sequence[Row], path: str) -> None:
     with open(path, "w") as f:
         json.dump([asdict(r) for r in table], f, indent=2)
         f.write("\n")
+
+
+def report(
+    table: Sequence[Row], *, value: str, digits: int, notes: Sequence[str] = (), json_path: str | None = None
+) -> int:
+    """A script's ending: its table, its notes, its rows as JSON where asked; exit status 0."""
+    print_table(table, value=value, digits=digits)
+    for note in notes:
+        print(f"note: {note}")
+    if json_path:
+        write_json(table, json_path)
+    return 0
+
+
+def entry(
+    main: Callable[[], int], name: str, *, interrupted: str = "everything it created is removed"
+) -> int:
+    """Run a script's ``main``: a RuntimeError is one line and exit 1, an interrupt exit 130.
+
+    Its ``finally`` blocks have run by then (SIGTERM and SIGHUP too, with
+    :func:`interrupt_on_signals`), so the line can say what was cleaned up.
+    """
+    try:
+        return main()
+    except RuntimeError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted; {interrupted}", file=sys.stderr)
+        return 130
 
 
 def read_json(path: str | Path) -> list[Row]:
