@@ -369,7 +369,10 @@ class Watcher:
                 devices.add(os.stat(root).st_dev)
         if not devices:
             return None
-        return collect_holders(self.config.proc_root, devices=devices)
+        try:
+            return collect_holders(self.config.proc_root, devices=devices)
+        except OSError:
+            return None  # each root's scan then walks /proc itself and reports what fails
 
     def _scan(self, root: Path, *, fresh: bool = False) -> ScanReport:
         config = self.config
