@@ -106,14 +106,6 @@ def release(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
 
 
-def probe(fd: int, st_uid: int, fsuid: int) -> LeaseProbe:
-    """Take and release at once: the answer, held for two syscalls."""
-    answer = take(fd, st_uid, fsuid)
-    if answer.free:
-        release(fd)
-    return answer
-
-
 @contextlib.contextmanager
 def sigio_ignored() -> Iterator[str | None]:
     """Make sure a lease break cannot kill this process; yields None, or why leases are unsafe.
