@@ -42,12 +42,10 @@ import multiprocessing
 import os
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,10 +53,10 @@ from typing import Any
 from figures import (
     Row,
     entry,
+    huge_tmpfs,
     interrupt_on_signals,
     private_dir,
     report,
-    signals_ignored,
 )
 
 from kvoffload.shm import mounts
@@ -164,43 +162,6 @@ def two_workers(root: Path, size: int) -> float:
 class Mount:
     label: str
     root: Path
-
-
-@contextlib.contextmanager
-def huge_mount(size: int) -> Iterator[Path | None]:
-    """A private tmpfs mounted with huge=within_size, or None (with a note) where that cannot be."""
-    if os.geteuid() != 0:
-        print(
-            "note: not root: no tmpfs with huge=within_size of its own, its rows are left out",
-            file=sys.stderr,
-        )
-        yield None
-        return
-    point = Path(tempfile.mkdtemp(prefix="bench-region-huge-"))
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},huge=within_size,mode=0700", "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            why = done.stderr.strip()
-            print(
-                f"note: cannot mount a huge=within_size tmpfs ({why}); its rows are left out", file=sys.stderr
-            )
-            yield None
-            return
-        try:
-            yield point
-        finally:
-            with signals_ignored():
-                if subprocess.run(["umount", str(point)], check=False).returncode != 0:
-                    # Something still maps it (an interrupted worker): detach now, freed when released.
-                    subprocess.run(["umount", "-l", str(point)], check=False)
-    finally:
-        with signals_ignored(), contextlib.suppress(OSError):
-            point.rmdir()
 
 
 def pmd_mapped_bytes(root: Path, size: int) -> int:
@@ -313,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         mount_list = [Mount(DEFAULT, stack.enter_context(private_dir(args.shm, "region")))]
         if not args.no_huge:
-            point = stack.enter_context(huge_mount(2 * size + 64 * MIB))
+            point = stack.enter_context(huge_tmpfs(2 * size + 64 * MIB, "its rows are left out"))
             if point is not None:
                 mount_list.append(Mount(HUGE, point))
                 huge = pmd_mapped_bytes(point, size)

@@ -29,14 +29,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import os
 import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +42,7 @@ from pathlib import Path
 from types import FrameType
 
 import torch
-from figures import Row, entry, report
+from figures import Row, entry, huge_tmpfs, report
 
 from kvoffload.base import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
@@ -100,36 +97,9 @@ class Mount:
 
 @contextlib.contextmanager
 def huge_mount(size: int) -> Iterator[Mount | None]:
-    """A private tmpfs mounted with huge=within_size, or None (with a note) where that cannot be."""
-    if os.geteuid() != 0:
-        note = "note: not root, so no tmpfs of its own with huge=within_size; only --root is measured"
-        print(note, file=sys.stderr)
-        yield None
-        return
-    point = Path(tempfile.mkdtemp(prefix="bench-worker-huge-"))
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},huge=within_size,mode=0700", "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            print(
-                f"note: cannot mount a huge=within_size tmpfs ({done.stderr.strip()}); skipped",
-                file=sys.stderr,
-            )
-            yield None
-            return
-        try:
-            yield Mount("tmpfs huge=within_size", point)
-        finally:
-            if subprocess.run(["umount", str(point)], check=False).returncode != 0:
-                # Something still maps it (an interrupted copy): detach now, freed when released.
-                subprocess.run(["umount", "-l", str(point)], check=False)
-    finally:
-        with contextlib.suppress(OSError):
-            point.rmdir()
+    """The huge=within_size tmpfs of :func:`figures.huge_tmpfs` as a Mount, or None."""
+    with huge_tmpfs(size, "only --root is measured") as point:
+        yield None if point is None else Mount("tmpfs huge=within_size", point)
 
 
 # ---------------------------------------------------------------- one block size on one mount

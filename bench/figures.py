@@ -34,7 +34,9 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -216,3 +218,39 @@ def private_dir(shm: Path, what: str) -> Iterator[Path]:
     finally:
         with signals_ignored():
             shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def huge_tmpfs(size: int, what: str) -> Iterator[Path | None]:
+    """A private tmpfs of ``size`` bytes mounted huge=within_size, or None (with a note on
+    stderr) where this process cannot mount one; unmounted and removed on the way out."""
+    if os.geteuid() != 0:
+        print(f"note: not root: no tmpfs with huge=within_size of its own; {what}", file=sys.stderr)
+        yield None
+        return
+    point = Path(tempfile.mkdtemp(prefix="bench-huge-"))
+    try:
+        options = f"size={size},huge=within_size,mode=0700"
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            print(
+                f"note: cannot mount a huge=within_size tmpfs ({done.stderr.strip()}); {what}",
+                file=sys.stderr,
+            )
+            yield None
+            return
+        try:
+            yield point
+        finally:
+            with signals_ignored():
+                if subprocess.run(["umount", str(point)], check=False).returncode != 0:
+                    # Something still maps it (an interrupted child): detach now, freed when released.
+                    subprocess.run(["umount", "-l", str(point)], check=False)
+    finally:
+        with signals_ignored(), contextlib.suppress(OSError):
+            point.rmdir()
