@@ -99,6 +99,66 @@ Lifetime = Literal["kvoffload", "vllm"]
 _DIGITS = re.compile(r"[0-9]+")
 
 
+@dataclass(frozen=True)
+class OffloadingGroupConfig:
+    """One KV cache group as vLLM's connector hands it to a spec."""
+
+    tokens_per_block: int
+    layer_names: tuple[str, ...]
+    group_id: int
+    # Chunks a tier keeps per request for a sliding-window group; None for full attention.
+    sliding_window_size_in_chunks: int | None = None
+
+
+@dataclass(frozen=True)
+class OffloadingModelConfig:
+    name: str
+    dtype: str
+    max_model_len: int = 0
+
+
+@dataclass(frozen=True)
+class OffloadingCacheConfig:
+    tokens_per_hash: int
+    blocks_per_chunk: int
+
+
+@dataclass(frozen=True)
+class OffloadingParallelConfig:
+    rank: int
+    world_size: int
+    tp_size: int
+    pp_size: int
+    pcp_size: int
+    dcp_size: int
+    data_parallel_index: int
+    data_parallel_size: int
+    data_parallel_rank_local: int | None
+    is_parallelism_agnostic: bool
+
+
+@dataclass(frozen=True)
+class OffloadingConfig:
+    """What vLLM 0.33's connector gives a spec, field for field (``vllm/v1/kv_offload/config.py``).
+
+    A spec reads its own settings out of ``extra_config`` (``OffloadingSettings.from_offloading_config``)
+    the way vLLM's specs do; ``OffloadingSettings.from_kv_transfer_config`` is the strict path the
+    CLI takes from a JSON file.
+    """
+
+    groups: tuple[OffloadingGroupConfig, ...]
+    worker_kv_bytes_per_block: int
+    enable_kv_cache_events: bool
+    extra_config: Mapping[str, Any]
+    engine_id: str
+    model: OffloadingModelConfig
+    cache: OffloadingCacheConfig
+    parallel: OffloadingParallelConfig
+    replicated_layout: bool = False
+    canonical_layout: bool = False
+    kv_cache_layout: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class OffloadingSizing:
     """The figures vLLM derives from the config and the model, under vLLM's names."""
@@ -138,7 +198,7 @@ class OffloadingSizing:
 
 
 @dataclass(frozen=True, slots=True)
-class OffloadingConfig:
+class OffloadingSettings:
     """One engine's offloading configuration plus the geometry vLLM takes from the model."""
 
     engine_id: str
@@ -177,7 +237,7 @@ class OffloadingConfig:
     def is_tiering(self) -> bool:
         return self.spec_name == "TieringOffloadingSpec"
 
-    def for_rank(self, rank: int) -> OffloadingConfig:
+    def for_rank(self, rank: int) -> OffloadingSettings:
         """The same engine as seen by worker ``rank``."""
         _check_range("rank", rank, 0, self.world_size - 1)
         return _replace(self, rank=rank)
@@ -194,7 +254,7 @@ class OffloadingConfig:
         replicated_layout: bool = False,
         root: Path | str = Path("/dev/shm"),
         lifetime: Lifetime = "kvoffload",
-    ) -> OffloadingConfig:
+    ) -> OffloadingSettings:
         """Parse vLLM's ``--kv-transfer-config`` (JSON text or an already-parsed mapping)."""
         top = _load_top(kv_transfer_config)
         warnings = [
@@ -301,7 +361,7 @@ class OffloadingConfig:
         )
 
 
-def _replace(config: OffloadingConfig, **changes: Any) -> OffloadingConfig:
+def _replace(config: OffloadingSettings, **changes: Any) -> OffloadingSettings:
     import dataclasses
 
     return dataclasses.replace(config, **changes)

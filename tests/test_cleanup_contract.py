@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingConfig
+from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.errors import ConfigError, InjectedFault
 from kvoffload.tiering.spec import TieringOffloadingSpec
@@ -40,11 +40,11 @@ KV_BYTES_PER_BLOCK = PAGESIZE // 2
 JOINER_SKIPS = {"region.space", "region.truncate"}
 
 
-def make_config(engine_id: str, spec: str) -> OffloadingConfig:
+def make_config(engine_id: str, spec: str) -> OffloadingSettings:
     extra: dict[str, Any] = {"spec_name": spec, "cpu_bytes_to_use": 8 * PAGESIZE, "blocks_per_chunk": 2}
     if spec == "TieringOffloadingSpec":
         extra["secondary_tiers"] = [{"type": "example"}, {"type": "example", "custom_param": 1}]
-    return OffloadingConfig.from_kv_transfer_config(
+    return OffloadingSettings.from_kv_transfer_config(
         json.dumps({"engine_id": engine_id, "kv_connector_extra_config": extra}),
         worker_kv_bytes_per_block=KV_BYTES_PER_BLOCK,
         world_size=1,
@@ -72,7 +72,7 @@ def cases() -> Iterator[Any]:
 
 
 @contextmanager
-def engine(config: OffloadingConfig, cls: type[CPUOffloadingSpec]) -> Iterator[dict[str, Any]]:
+def engine(config: OffloadingSettings, cls: type[CPUOffloadingSpec]) -> Iterator[dict[str, Any]]:
     """Bring up one worker then the scheduler, in vLLM's order; tear down whatever was built."""
     built: dict[str, Any] = {}
     try:
@@ -85,7 +85,7 @@ def engine(config: OffloadingConfig, cls: type[CPUOffloadingSpec]) -> Iterator[d
             built["worker"].shutdown()
 
 
-def bring_up(config: OffloadingConfig, cls: type[CPUOffloadingSpec], built: dict[str, Any]) -> None:
+def bring_up(config: OffloadingSettings, cls: type[CPUOffloadingSpec], built: dict[str, Any]) -> None:
     built["worker_spec"] = cls(config.for_rank(0))
     built["worker"] = built["worker_spec"].create_worker(kv_caches())
     footprint = (len(region_fds()), len(region_maps()))

@@ -1,4 +1,4 @@
-"""OffloadingConfig: vLLM's --kv-transfer-config verbatim, vLLM's sizing, errors naming the key."""
+"""OffloadingSettings: vLLM's --kv-transfer-config verbatim, vLLM's sizing, errors naming the key."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvoffload.config import (
     MAX_CONFIG_BYTES,
     MAX_CPU_BYTES,
     PAGESIZE,
-    OffloadingConfig,
+    OffloadingSettings,
     OffloadingSizing,
     read_kv_transfer_config,
 )
@@ -51,7 +51,7 @@ def test_zero_worker_bytes_gives_an_empty_cache_like_vllm() -> None:
 
 
 def test_parses_vllm_json_verbatim() -> None:
-    cfg = OffloadingConfig.from_kv_transfer_config(
+    cfg = OffloadingSettings.from_kv_transfer_config(
         kv(
             {
                 "spec_name": "TieringOffloadingSpec",
@@ -74,14 +74,14 @@ def test_parses_vllm_json_verbatim() -> None:
 
 
 def test_engine_id_defaults_to_a_uuid_like_vllm() -> None:
-    cfg = OffloadingConfig.from_kv_transfer_config(
+    cfg = OffloadingSettings.from_kv_transfer_config(
         kv({"cpu_bytes_to_use": 1 << 20}), worker_kv_bytes_per_block=64
     )
     assert len(cfg.engine_id) == 36
 
 
 def test_unknown_keys_are_warnings_not_errors() -> None:
-    cfg = OffloadingConfig.from_kv_transfer_config(
+    cfg = OffloadingSettings.from_kv_transfer_config(
         kv({"cpu_bytes_to_use": 1 << 20, "my_plugin_knob": 1}, some_future_key=True),
         worker_kv_bytes_per_block=64,
     )
@@ -132,7 +132,7 @@ def test_unknown_keys_are_warnings_not_errors() -> None:
 )
 def test_invalid_config_names_the_key(text: str, key: str) -> None:
     with pytest.raises(ConfigError) as info:
-        OffloadingConfig.from_kv_transfer_config(text, worker_kv_bytes_per_block=64)
+        OffloadingSettings.from_kv_transfer_config(text, worker_kv_bytes_per_block=64)
     assert key in info.value.key
 
 
@@ -143,7 +143,7 @@ def test_invalid_config_names_the_key(text: str, key: str) -> None:
 def test_invalid_geometry_names_the_field(field: str, value: Any) -> None:
     args: dict[str, Any] = {"worker_kv_bytes_per_block": 64, "world_size": 2, field: value}
     with pytest.raises(ConfigError) as info:
-        OffloadingConfig.from_kv_transfer_config(kv({"cpu_bytes_to_use": 1 << 20}), **args)
+        OffloadingSettings.from_kv_transfer_config(kv({"cpu_bytes_to_use": 1 << 20}), **args)
     assert info.value.key == field
 
 
@@ -172,7 +172,7 @@ def test_a_number_past_its_sane_maximum_is_a_config_error_naming_the_key(
     extra: dict[str, Any], key: str
 ) -> None:
     with pytest.raises(ConfigError, match="at most") as info:
-        OffloadingConfig.from_kv_transfer_config(
+        OffloadingSettings.from_kv_transfer_config(
             {"kv_connector_extra_config": extra}, worker_kv_bytes_per_block=64
         )
     assert info.value.key == f"kv_connector_extra_config.{key}"
@@ -180,7 +180,7 @@ def test_a_number_past_its_sane_maximum_is_a_config_error_naming_the_key(
 
 
 def test_the_largest_cpu_bytes_to_use_is_1_eib() -> None:
-    cfg = OffloadingConfig.from_kv_transfer_config(
+    cfg = OffloadingSettings.from_kv_transfer_config(
         kv({"cpu_bytes_to_use": MAX_CPU_BYTES}), worker_kv_bytes_per_block=64
     )
     assert cfg.cpu_bytes_to_use == MAX_CPU_BYTES == 1 << 60
@@ -192,7 +192,7 @@ def test_the_largest_cpu_bytes_to_use_is_1_eib() -> None:
 def test_geometry_past_its_sane_maximum_names_the_field(field: str, value: int) -> None:
     args: dict[str, Any] = {"worker_kv_bytes_per_block": 64, field: value}
     with pytest.raises(ConfigError, match="at most") as info:
-        OffloadingConfig.from_kv_transfer_config(kv({"cpu_bytes_to_use": 1 << 20}), **args)
+        OffloadingSettings.from_kv_transfer_config(kv({"cpu_bytes_to_use": 1 << 20}), **args)
     assert info.value.key == field
     assert info.value.fix is not None
 
@@ -200,14 +200,14 @@ def test_geometry_past_its_sane_maximum_names_the_field(field: str, value: int) 
 def test_json_holding_an_integer_longer_than_python_converts_is_a_config_error() -> None:
     document = '{"kv_connector_extra_config": {"cpu_bytes_to_use": ' + DIGITS_5000 + "}}"
     with pytest.raises(ConfigError, match="longer than 4300 digits") as info:
-        OffloadingConfig.from_kv_transfer_config(document, worker_kv_bytes_per_block=64)
+        OffloadingSettings.from_kv_transfer_config(document, worker_kv_bytes_per_block=64)
     assert info.value.key == "kv_transfer_config"
 
 
 def test_kv_transfer_config_text_past_1_mib_is_refused_before_it_is_parsed() -> None:
     document = kv({"cpu_bytes_to_use": 1 << 20}) + " " * MAX_CONFIG_BYTES
     with pytest.raises(ConfigError, match="1 MiB") as info:
-        OffloadingConfig.from_kv_transfer_config(document, worker_kv_bytes_per_block=64)
+        OffloadingSettings.from_kv_transfer_config(document, worker_kv_bytes_per_block=64)
     assert info.value.key == "kv_transfer_config"
 
 

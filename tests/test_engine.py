@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingConfig
+from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.engine import FailMode, LiveEngine, Verdict, bring_up, build_fault_plan, plan, run_matrix
 from kvoffload.engine.inputs import load_config, read_kv_transfer_config
 from kvoffload.engine.plan import CREATOR_ONLY, MAX_WORLD_SIZE, SCHEDULER, WORKER, plan_stages, stage_sides
@@ -50,11 +50,11 @@ def make_config(
     cpu_bytes: int = 4 * MIB,
     tiers: int = 1,
     extra: dict[str, Any] | None = None,
-) -> OffloadingConfig:
+) -> OffloadingSettings:
     extra_config: dict[str, Any] = {"spec_name": spec, "cpu_bytes_to_use": cpu_bytes, **(extra or {})}
     if spec == TIERING and tiers:
         extra_config["secondary_tiers"] = [{"type": "example", "custom_param": i} for i in range(tiers)]
-    return OffloadingConfig.from_kv_transfer_config(
+    return OffloadingSettings.from_kv_transfer_config(
         json.dumps({"engine_id": engine_id, "kv_connector_extra_config": extra_config}),
         worker_kv_bytes_per_block=KV_BYTES_PER_BLOCK,
         world_size=world_size,
@@ -63,7 +63,7 @@ def make_config(
     )
 
 
-def region_file(config: OffloadingConfig) -> Path:
+def region_file(config: OffloadingSettings) -> Path:
     return config.root / names.format_name(config.engine_id)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.config import PAGESIZE, OffloadingConfig
+from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.engine import FailMode, plan, run_matrix
 from kvoffload.engine.plan import CapacityError
 from kvoffload.engine.report import KeptFile, MatrixCell
@@ -51,8 +51,8 @@ def make_config(
     cpu_bytes: int = 4 * MIB,
     world_size: int = 1,
     lifetime: str = "kvoffload",
-) -> OffloadingConfig:
-    return OffloadingConfig.from_kv_transfer_config(
+) -> OffloadingSettings:
+    return OffloadingSettings.from_kv_transfer_config(
         kv_transfer_config(engine_id, spec, cpu_bytes),
         worker_kv_bytes_per_block=KV_BYTES_PER_BLOCK,
         world_size=world_size,

@@ -19,7 +19,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from kvoffload import faults
-from kvoffload.config import MAX_CPU_BYTES, OffloadingConfig
+from kvoffload.config import MAX_CPU_BYTES, OffloadingSettings
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.durations import MAX_DURATION_S, parse_duration
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault
@@ -353,9 +353,9 @@ HUGE_CPU_BYTES = '{"kv_connector_extra_config": {"cpu_bytes_to_use": 1' + "0" * 
 INFINITE_POLL = '{"kv_connector_extra_config": {"cpu_bytes_to_use": 4096, "tier_poll_interval_s": 1e999}}'
 
 
-def _load(document: str, root: Path) -> OffloadingConfig | None:
+def _load(document: str, root: Path) -> OffloadingSettings | None:
     try:
-        return OffloadingConfig.from_kv_transfer_config(
+        return OffloadingSettings.from_kv_transfer_config(
             document, worker_kv_bytes_per_block=4096, world_size=2, root=root
         )
     except ConfigError:
@@ -401,7 +401,7 @@ def test_any_json_is_a_config_or_a_config_error_and_nothing_is_allocated_before_
 @pytest.mark.parametrize("document", ["[" * 100_000, '{"a": ' * 100_000])
 def test_json_nested_past_the_recursion_limit_is_a_config_error(document: str) -> None:
     with pytest.raises(ConfigError, match="nested too deeply"):
-        OffloadingConfig.from_kv_transfer_config(document, worker_kv_bytes_per_block=4096)
+        OffloadingSettings.from_kv_transfer_config(document, worker_kv_bytes_per_block=4096)
 
 
 @pytest.mark.parametrize("module_path", [".x", "..", ".kvoffload"])

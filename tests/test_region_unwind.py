@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingConfig
+from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.errors import (
     ConfigError,
@@ -399,9 +399,9 @@ def test_a_buffer_still_exported_keeps_the_mapping_rather_than_leave_it_dangling
 KV_BYTES_PER_BLOCK = PAGESIZE // 2
 
 
-def cpu_config(engine_id: str, root: Path, *, replicated_layout: bool = False) -> OffloadingConfig:
+def cpu_config(engine_id: str, root: Path, *, replicated_layout: bool = False) -> OffloadingSettings:
     settings = {"cpu_bytes_to_use": 8 * PAGESIZE, "blocks_per_chunk": 2}
-    return OffloadingConfig.from_kv_transfer_config(
+    return OffloadingSettings.from_kv_transfer_config(
         json.dumps({"engine_id": engine_id, "kv_connector_extra_config": settings}),
         worker_kv_bytes_per_block=KV_BYTES_PER_BLOCK,
         replicated_layout=replicated_layout,
@@ -419,7 +419,7 @@ def test_the_cpu_managers_are_built_once_and_allocate_no_region(root: Path, engi
 def test_a_worker_whose_region_would_hold_no_chunk_is_refused_before_any_file(
     root: Path, engine_id: str
 ) -> None:
-    config = OffloadingConfig.from_kv_transfer_config(
+    config = OffloadingSettings.from_kv_transfer_config(
         json.dumps({"engine_id": engine_id, "kv_connector_extra_config": {"cpu_bytes_to_use": PAGESIZE}}),
         worker_kv_bytes_per_block=4 * PAGESIZE,
         root=root,

@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from kvoffload import faults
-from kvoffload.config import CPU_SPEC_SEGMENTS, Lifetime, OffloadingConfig, OffloadingSizing
+from kvoffload.config import CPU_SPEC_SEGMENTS, Lifetime, OffloadingSettings, OffloadingSizing
 from kvoffload.errors import ConfigError
 from kvoffload.release import Journal
 from kvoffload.shm.region import Progress, SharedOffloadRegion
@@ -38,7 +38,7 @@ class CPUOffloadingSpec:
 
     def __init__(
         self,
-        config: OffloadingConfig,
+        config: OffloadingSettings,
         *,
         barrier: Callable[[], object] | None = None,
         progress: Progress | None = None,

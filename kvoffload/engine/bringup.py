@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvoffload.config import OffloadingConfig
+from kvoffload.config import OffloadingSettings
 from kvoffload.engine import participant
 from kvoffload.engine.faultplan import FailMode, FaultPlan, Target, build_fault_plan, markers_only
 from kvoffload.engine.plan import SCHEDULER, WORKER, InitPlan, plan
@@ -113,7 +113,7 @@ def require_torch() -> None:
 
 
 def bring_up(
-    config: OffloadingConfig,
+    config: OffloadingSettings,
     *,
     fail_at: Sequence[str] = (),
     fail_mode: FailMode | str = "raise",
@@ -212,7 +212,7 @@ class _Crash:
 class _BringUp:
     def __init__(
         self,
-        config: OffloadingConfig,
+        config: OffloadingSettings,
         the_plan: InitPlan,
         fault: FaultPlan | None,
         *,

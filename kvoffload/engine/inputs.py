@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvoffload.config import Lifetime, OffloadingConfig, read_kv_transfer_config
+from kvoffload.config import Lifetime, OffloadingSettings, read_kv_transfer_config
 from kvoffload.errors import ConfigError
 from kvoffload.presets import PRESETS, get_preset
 
@@ -30,8 +30,8 @@ def load_config(
     replicated_layout: bool | None = None,
     root: Path | str = Path("/dev/shm"),
     lifetime: Lifetime = "kvoffload",
-) -> OffloadingConfig:
-    """The ``OffloadingConfig`` ``shmctl init`` runs: vLLM's JSON (inline or from a file) plus
+) -> OffloadingSettings:
+    """The ``OffloadingSettings`` ``shmctl init`` runs: vLLM's JSON (inline or from a file) plus
     the geometry vLLM would take from the model (given, or from a preset).
 
     Exactly one of ``kv_transfer_config``/``config_file`` and one of
@@ -65,7 +65,7 @@ def load_config(
     source: str | Mapping[str, Any] = (
         kv_transfer_config if kv_transfer_config is not None else read_kv_transfer_config(config_file or "")
     )
-    return OffloadingConfig.from_kv_transfer_config(
+    return OffloadingSettings.from_kv_transfer_config(
         source,
         worker_kv_bytes_per_block=kv_bytes_per_block,
         world_size=world_size,

@@ -23,7 +23,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
 
-from kvoffload.config import OffloadingConfig
+from kvoffload.config import OffloadingSettings
 from kvoffload.engine.bringup import DEFAULT_IDLE_TIMEOUT_S, bring_up, require_torch
 from kvoffload.engine.faultplan import FailMode, Target, build_fault_plan
 from kvoffload.engine.plan import CapacityError, check_capacity, plan, size_text
@@ -45,7 +45,7 @@ _PASSING = (Verdict.CONTRACT_HELD, Verdict.NOT_FIRED)
 
 
 def run_matrix(
-    config: OffloadingConfig,
+    config: OffloadingSettings,
     *,
     stages: Sequence[str] | None = None,
     modes: Sequence[str | FailMode] = DEFAULT_MODES,
@@ -125,7 +125,7 @@ def run_matrix(
 
 
 def _stop_before(
-    config: OffloadingConfig, stage: str, mode: FailMode, cells: list[MatrixCell], total: int
+    config: OffloadingSettings, stage: str, mode: FailMode, cells: list[MatrixCell], total: int
 ) -> MatrixStop | None:
     """Why the cell ``stage`` x ``mode`` must not run after ``cells``, or None when it may."""
     last, not_run = cells[-1], total - len(cells)

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from kvoffload import faults
-from kvoffload.config import OffloadingConfig
+from kvoffload.config import OffloadingSettings
 from kvoffload.engine.plan import SCHEDULER, WORKER
 from kvoffload.engine.report import CleanupStep, ErrorInfo, LogLine, StageResult, held_handles
 from kvoffload.errors import KvOffloadError
@@ -44,7 +44,7 @@ class ParticipantArgs:
     name: str
     role: str  # WORKER or SCHEDULER
     rank: int | None
-    config: OffloadingConfig
+    config: OffloadingSettings
     failpoints: str | None
     seed: int | None
     barrier_timeout_s: float

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingConfig, OffloadingSizing
+from kvoffload.config import PAGESIZE, OffloadingSettings, OffloadingSizing
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.shm import mounts
 from kvoffload.shm.mounts import HugePages, check_huge_pages
@@ -210,7 +210,7 @@ def participant_names(world_size: int) -> tuple[str, ...]:
     return (*(f"{WORKER} {r}" for r in range(world_size)), SCHEDULER)
 
 
-def plan_stages(config: OffloadingConfig) -> tuple[PlanStage, ...]:
+def plan_stages(config: OffloadingSettings) -> tuple[PlanStage, ...]:
     """The registry's points this spec and tier list reach, in stage order; ``secondary.N`` expanded."""
     tiering = config.is_tiering
     tiers = len(config.secondary_tiers)
@@ -240,7 +240,7 @@ def stage_sides(name: str, tiering: bool) -> tuple[str, ...]:
     return _SIDES.get(base, (WORKER, SCHEDULER))
 
 
-def plan(config: OffloadingConfig) -> InitPlan:
+def plan(config: OffloadingSettings) -> InitPlan:
     """Everything ``bring_up(config)`` would allocate and run; allocates nothing.
 
     Raises ``ConfigError`` when the world size is beyond ``MAX_WORLD_SIZE`` or the budget is
@@ -306,7 +306,7 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _layout(config: OffloadingConfig, sizing: OffloadingSizing) -> SlotLayout:
+def _layout(config: OffloadingSettings, sizing: OffloadingSizing) -> SlotLayout:
     rows, stride, slot = sizing.num_chunks, sizing.kv_bytes_per_chunk, sizing.cpu_page_size_per_worker
     slots = []
     for rank in range(config.world_size):
@@ -332,7 +332,7 @@ def _layout(config: OffloadingConfig, sizing: OffloadingSizing) -> SlotLayout:
     )
 
 
-def _tiers(config: OffloadingConfig, sizing: OffloadingSizing) -> tuple[TierPlan, ...]:
+def _tiers(config: OffloadingSettings, sizing: OffloadingSizing) -> tuple[TierPlan, ...]:
     if not config.is_tiering:
         return ()
     primary = TierPlan(
@@ -357,7 +357,7 @@ def _tiers(config: OffloadingConfig, sizing: OffloadingSizing) -> tuple[TierPlan
     return (primary, *secondaries)
 
 
-def _path_lifetime(config: OffloadingConfig, participants: int) -> str:
+def _path_lifetime(config: OffloadingSettings, participants: int) -> str:
     if not config.is_tiering:
         return (
             f"unlinked by its creator once all {config.world_size} worker(s) have mapped it "
