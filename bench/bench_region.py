@@ -59,8 +59,8 @@ from figures import (
     report,
 )
 
+from kvoffload.cpu.shared_offload_region import SharedOffloadRegion
 from kvoffload.shm import mounts
-from kvoffload.shm.region import SharedOffloadRegion
 
 MIB, GIB = 1 << 20, 1 << 30
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)

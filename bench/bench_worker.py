@@ -45,8 +45,8 @@ import torch
 from figures import Row, entry, huge_tmpfs, report
 
 from kvoffload.base import CPULoadStoreSpec, GPULoadStoreSpec
-from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
-from kvoffload.worker import CPUOffloadingWorker
+from kvoffload.cpu.gpu_worker import CPUOffloadingWorker
+from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGES = (16 * KiB, 256 * KiB, 2 * MiB)

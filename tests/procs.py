@@ -54,7 +54,7 @@ if mode == "vllm":
     keep[-1][0] = 1
 elif mode == "region":
     from pathlib import Path
-    from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
+    from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
     p = Path(path)
     engine_id = p.name[len("vllm_offload_"):-len(".mmap")]
     keep.append(SharedOffloadRegion(engine_id, 4, None, 2 * PAGESIZE, PAGESIZE, root=p.parent))
@@ -204,7 +204,7 @@ def shm_dir() -> Iterator[Path]:
 _CHURN = r"""
 import json, mmap, os, random, sys, time, uuid
 from pathlib import Path
-from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
+from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 root, seconds = Path(sys.argv[1]), float(sys.argv[2])
 violations, iterations, orphans = [], 0, 0
 HOLD_S = (0.0005, 0.005, 0.04)  # some regions outlive a whole scan, some appear and go within one

@@ -7,7 +7,7 @@ import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
+from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 
 CHUNKS = 4
 ROW = 2 * PAGESIZE
@@ -46,7 +46,7 @@ def race(engine_id: str, root: str, rank: int, participants: int, conn: Connecti
 CRASH_CHILD = """
 import sys
 from pathlib import Path
-from kvoffload.shm.region import SharedOffloadRegion, PAGESIZE
+from kvoffload.cpu.shared_offload_region import SharedOffloadRegion, PAGESIZE
 eid, root, lifetime = sys.argv[1], sys.argv[2], sys.argv[3]
 SharedOffloadRegion(eid, 4, 0, 2 * PAGESIZE, PAGESIZE, root=Path(root),
                     participant=0, participants=1, lifetime=lifetime)

@@ -67,7 +67,7 @@ if os.fork() == 0:
     null = os.open(os.devnull, os.O_RDWR)
     for stdio in (0, 1, 2):
         os.dup2(null, stdio)
-    from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
+    from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
     engine_id = path.name[len("vllm_offload_"):-len(".mmap")]
     region = SharedOffloadRegion(engine_id, 4, None, 2 * PAGESIZE, PAGESIZE, root=path.parent)
     (pid_file.parent / "tmp.pid").write_text(str(os.getpid()))

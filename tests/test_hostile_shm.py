@@ -26,11 +26,11 @@ from pathlib import Path
 import pytest
 
 from kvoffload import faults
+from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 from kvoffload.errors import InsufficientSpaceError
 from kvoffload.liveness.reap import reap
 from kvoffload.liveness.scan import ScanEntry, ScanReport, Status, scan
 from kvoffload.shm import names
-from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
 from shmctl.app import main
 from tests.hostile import ForeignHolder, ProcGate, as_user, fill, shmctl, small_tmpfs
 from tests.procs import REPO, Child, entry, region_path, shm_dir, write_file

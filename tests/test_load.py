@@ -33,7 +33,7 @@ DEADLINE_S = 90.0
 _WORKER = r"""
 import json, mmap, os, random, sys, time
 from pathlib import Path
-from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
+from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 root, worker, quota, deadline = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 random.seed(worker)
 violations, orphans, done = [], 0, 0

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.errors import ConfigError, InsufficientSpaceError
-from kvoffload.shm.region import (
+from kvoffload.cpu.shared_offload_region import (
     DEFAULT_MAX_POPULATE_THREADS,
     MAX_POPULATE_THREADS,
     PAGESIZE,
@@ -30,6 +29,7 @@ from kvoffload.shm.region import (
     split_walk,
     widen_to_huge_pages,
 )
+from kvoffload.errors import ConfigError, InsufficientSpaceError
 from tests.mounts import mounted_tmpfs
 
 MIB = 1 << 20

@@ -91,7 +91,7 @@ def test_an_owner_that_died_and_was_not_yet_waited_for_is_a_zombie_not_an_owner(
 _CREATE = r"""
 import sys, time
 from pathlib import Path
-from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
+from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 region = SharedOffloadRegion(sys.argv[2], 4, None, 2 * PAGESIZE, PAGESIZE, root=Path(sys.argv[1]))
 print("ready", flush=True)
 time.sleep(60)

@@ -12,6 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.cpu.shared_offload_region import (
+    PAGESIZE,
+    SharedOffloadRegion,
+    merge_ranges,
+    plan_segments,
+    probe_populate_write,
+)
 from kvoffload.errors import (
     ConfigError,
     CreatorFailedError,
@@ -22,13 +29,6 @@ from kvoffload.errors import (
 )
 from kvoffload.liveness import ownership
 from kvoffload.shm import owner
-from kvoffload.shm.region import (
-    PAGESIZE,
-    SharedOffloadRegion,
-    merge_ranges,
-    plan_segments,
-    probe_populate_write,
-)
 from tests import regionprocs
 
 SHM = Path("/dev/shm")
@@ -427,7 +427,7 @@ def test_another_users_file_at_the_region_name_is_a_clear_region_error(engine_id
 JOIN_AS_NOBODY = """
 import os, sys
 from kvoffload.errors import RegionError
-from kvoffload.shm.region import SharedOffloadRegion, PAGESIZE
+from kvoffload.cpu.shared_offload_region import SharedOffloadRegion, PAGESIZE
 os.setgid(1); os.setuid(1)
 try:
     SharedOffloadRegion(sys.argv[1], 4, 0, 2 * PAGESIZE, PAGESIZE)

@@ -20,6 +20,7 @@ import pytest
 
 from kvoffload import faults
 from kvoffload.config import PAGESIZE, OffloadingSettings
+from kvoffload.cpu.shared_offload_region import SharedOffloadRegion
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.errors import (
     ConfigError,
@@ -33,7 +34,6 @@ from kvoffload.errors import (
 from kvoffload.release import Journal
 from kvoffload.shm import names
 from kvoffload.shm.owner import OwnerRecord, write_owner
-from kvoffload.shm.region import SharedOffloadRegion
 from tests.procs import write_file
 
 SEGMENTS = 4
@@ -385,7 +385,7 @@ def test_a_buffer_still_exported_keeps_the_mapping_rather_than_leave_it_dangling
     region = make(engine_id, root)
     tensor = region.base_tensor
     tensor[5] = 9
-    with caplog.at_level(logging.WARNING, logger="kvoffload.shm.region"):
+    with caplog.at_level(logging.WARNING, logger="kvoffload.cpu.shared_offload_region"):
         region.cleanup()
     assert "buffers are still exported" in caplog.text
     assert int(tensor[5]) == 9  # still mapped: reading it is safe

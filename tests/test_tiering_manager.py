@@ -21,8 +21,8 @@ from kvoffload.base import (
     OffloadKey,
     make_offload_key,
 )
+from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 from kvoffload.errors import ConfigError, InjectedFault, KvOffloadError
-from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
 from kvoffload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from kvoffload.tiering.manager import (
     POLL_THREAD_NAME,

@@ -12,9 +12,7 @@ import torch
 
 from kvoffload import faults
 from kvoffload.base import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
-from kvoffload.errors import ConfigError, InjectedFault, KvOffloadError
-from kvoffload.shm.region import PAGESIZE, SharedOffloadRegion
-from kvoffload.worker import (
+from kvoffload.cpu.gpu_worker import (
     LONG_RUN_BYTES,
     PARALLEL_COPY_BYTES,
     TILE_BYTES,
@@ -26,6 +24,8 @@ from kvoffload.worker import (
     plan_copy_runs,
     split_plan,
 )
+from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
+from kvoffload.errors import ConfigError, InjectedFault, KvOffloadError
 
 NUM_BLOCKS = 8
 NUM_CHUNKS = 4

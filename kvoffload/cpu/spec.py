@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload import faults
 from kvoffload.config import CPU_SPEC_SEGMENTS, Lifetime, OffloadingSettings, OffloadingSizing
+from kvoffload.cpu.shared_offload_region import Progress, SharedOffloadRegion
 from kvoffload.errors import ConfigError
 from kvoffload.release import Journal
-from kvoffload.shm.region import Progress, SharedOffloadRegion
 
 if TYPE_CHECKING:
     from kvoffload.base import OffloadingManager
-    from kvoffload.worker import CPUOffloadingWorker
+    from kvoffload.cpu.gpu_worker import CPUOffloadingWorker
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class CPUOffloadingSpec:
 
     def create_worker(self, kv_caches: Sequence[Any]) -> CPUOffloadingWorker:
         """Map this worker's slot of the region, then build the worker over it (PR #51227)."""
-        from kvoffload.worker import CPUOffloadingWorker
+        from kvoffload.cpu.gpu_worker import CPUOffloadingWorker
 
         if self.num_chunks <= 0:
             raise ConfigError(

@@ -68,7 +68,7 @@ _PRELOAD = [
     "kvoffload.cpu.spec",
     "kvoffload.tiering.spec",
     "kvoffload.tiering.manager",
-    "kvoffload.worker",
+    "kvoffload.cpu.gpu_worker",
     "numpy",
     "torch",
 ]

@@ -22,10 +22,10 @@ from typing import Any
 
 from kvoffload import faults
 from kvoffload.config import PAGESIZE, OffloadingSettings, OffloadingSizing
+from kvoffload.cpu.shared_offload_region import plan_segments
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.shm import mounts
 from kvoffload.shm.mounts import HugePages, check_huge_pages
-from kvoffload.shm.region import plan_segments
 
 SCHEMA_VERSION = 1
 MIB = 1 << 20

@@ -28,7 +28,7 @@ from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvoffload.base import OffloadingManager
-    from kvoffload.shm.region import SharedOffloadRegion
+    from kvoffload.cpu.shared_offload_region import SharedOffloadRegion
     from kvoffload.tiering.base import SecondaryTierManager
 
 
