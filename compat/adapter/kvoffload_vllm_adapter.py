@@ -26,9 +26,6 @@ PREFIX = "vllm.v1.kv_offload"
 # vLLM module (relative to PREFIX) -> kvoffload module, where the path is not the same.
 RENAMED: dict[str, str] = {
     "": "kvoffload",
-    "cpu.shared_offload_region": "kvoffload.shm.region",
-    "gpu_worker": "kvoffload.worker",
-    "cpu.gpu_worker": "kvoffload.worker",
 }
 
 
