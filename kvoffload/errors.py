@@ -60,12 +60,22 @@ class InsufficientSpaceError(RegionError):
         self.free = free
 
 
-class CreatorFailedError(RegionError):
-    """A joiner found that the creator died or gave up before sizing the region."""
+class CreatorFailedError(RegionError, RuntimeError):
+    """A joiner found that the creator died or gave up before sizing the region.
+
+    A ``RuntimeError`` too, as vLLM raises for the same condition.
+    """
 
 
 class JoinTimeoutError(RegionError, TimeoutError):
     """A joiner waited for the creator to size the region and gave up."""
+
+
+class ViewOverflowError(RegionError, AssertionError):
+    """A view asked of a region does not fit the worker's slot or the row.
+
+    An ``AssertionError`` too: vLLM asserts the same bound, and its callers and tests expect that.
+    """
 
 
 class RegionReleasedError(RegionError):
