@@ -18,13 +18,16 @@ import enum
 import logging
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from types import TracebackType
-from typing import ClassVar, NewType, Self
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NewType, Self, TypeVar
 
 from kvoffload.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvoffload.config import OffloadingConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,24 +70,101 @@ class Medium(enum.Enum):
     STORAGE = "STORAGE"
 
 
+class Locality(enum.Enum):
+    """Where a tier's storage is, seen from the engine that publishes it."""
+
+    LOCAL = "LOCAL"
+    REMOTE = "REMOTE"
+
+
+class TierMatcher(NamedTuple):
+    """One (medium, locality) pattern; ``None`` on either side matches anything."""
+
+    medium: Medium | None = None
+    locality: Locality | None = None
+
+    def matches(self, medium: Medium | None, locality: Locality | None) -> bool:
+        return (self.medium is None or medium is None or self.medium == medium) and (
+            self.locality is None or locality is None or self.locality == locality
+        )
+
+
+@dataclass(frozen=True)
+class TierFilter:
+    """Which tiers a request may load from: any matcher that matches lets a tier in."""
+
+    matchers: tuple[TierMatcher, ...] = ()
+
+    ALL: ClassVar[TierFilter]
+
+    def allows(self, medium: Medium | None, locality: Locality | None) -> bool:
+        return self is TierFilter.ALL or any(m.matches(medium, locality) for m in self.matchers)
+
+
+TierFilter.ALL = TierFilter(matchers=(TierMatcher(),))
+
+
+class CacheHitSource(enum.StrEnum):
+    """The tier a cache hit came from, nearest the accelerator first (vLLM's values)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    P2P = "p2p"
+    DISK = "disk"
+    EXTERNAL_UNSPECIFIED = "external_unspecified"
+
+
 class OffloadPolicy(enum.Enum):
     CHUNK_LEVEL = "chunk_level"
     REQUEST_LEVEL = "request_level"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestOffloadingContext:
     """What a manager tells the scheduler about a new request."""
 
     policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL
 
 
+class ScheduleEndContext(NamedTuple):
+    """What one scheduler step did, given to ``on_schedule_end``."""
+
+    new_req_ids: Collection[str]
+    preempted_req_ids: Collection[str]
+
+
+_T = TypeVar("_T")
+
+
 @dataclass(slots=True)
 class ReqContext:
-    """The request a manager call is made for (vLLM's, without the per-type scratch state)."""
+    """The request a manager call is made for.
+
+    ``set_state``/``get_state`` keep one value per type, so a tier parses a request's
+    parameters once (in ``on_new_request``) and reads them back later. The key positions
+    (end token of each key) let a manager recover prefix order when stores arrive out of
+    order.
+    """
 
     req_id: str
-    kv_transfer_params: Mapping[str, object] | None = None
+    kv_transfer_params: Mapping[str, Any] | None = None
+    kv_hints: Any = None
+    load_tier_filter: TierFilter = TierFilter.ALL
+    _state: dict[type, Any] = field(default_factory=dict, repr=False, init=False)
+    _offload_key_positions: dict[OffloadKey, int] = field(default_factory=dict, repr=False, init=False)
+
+    def set_state(self, val: Any) -> None:
+        self._state[type(val)] = val
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        value: _T | None = self._state.get(cls)
+        return value
+
+    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
+        self._offload_key_positions[key] = end_token
+
+    def get_offload_key_position(self, key: OffloadKey) -> int | None:
+        return self._offload_key_positions.get(key)
 
 
 class LoadStoreSpec:
@@ -117,9 +197,38 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec):
 
 @dataclass(frozen=True, slots=True, init=False)
 class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
-    """GPU KV-cache block ids (one per block of the transfer)."""
+    """GPU KV-cache block ids (one per block of the transfer), ordered by KV-cache group.
+
+    ``group_sizes[i]`` blocks belong to group ``i`` and ``block_indices[i]`` is the index,
+    in its request, of that group's first block (so a worker can skip into the first
+    chunk when chunks are larger than GPU blocks). Left out: one group starting at 0.
+    """
 
     MEDIUM: ClassVar[Medium] = Medium.GPU
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
+
+    def __init__(
+        self,
+        block_ids: Iterable[int],
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+    ) -> None:
+        BlockIDsLoadStoreSpec.__init__(self, block_ids)
+        sizes = (
+            (len(self.block_ids),) if group_sizes is None else tuple(operator.index(n) for n in group_sizes)
+        )
+        starts = (
+            (0,) * len(sizes) if block_indices is None else tuple(operator.index(i) for i in block_indices)
+        )
+        if sum(sizes) != len(self.block_ids):
+            raise ConfigError("group_sizes", f"sum to {sum(sizes)}, not the {len(self.block_ids)} block ids")
+        if len(starts) != len(sizes):
+            raise ConfigError(
+                "block_indices", f"{len(starts)} given for {len(sizes)} groups; give one per group"
+            )
+        object.__setattr__(self, "group_sizes", sizes)
+        object.__setattr__(self, "block_indices", starts)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -142,18 +251,124 @@ class PrepareStoreOutput:
     evicted_keys: list[OffloadKey]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OffloadingEvent:
     """Blocks that became available (``removed=False``) or went away in ``medium``.
 
+    ``ownership`` names the secondary tier that emitted it (``None``: the primary tier).
     ``metadata_only``: the blocks were never readable (a store that failed), so consumers
     that only track stored bytes can skip the event.
     """
 
-    keys: tuple[OffloadKey, ...]
+    keys: list[OffloadKey]
     medium: Medium
     removed: bool
+    locality: Locality | None = None
+    ownership: str | None = None
+    removal_expected: bool = False
     metadata_only: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keys, list):
+            self.keys = list(self.keys)
+
+
+@dataclass(frozen=True)
+class OffloadingMetricMetadata:
+    documentation: str
+    labelnames: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OffloadingCounterMetadata(OffloadingMetricMetadata):
+    pass
+
+
+@dataclass(frozen=True)
+class OffloadingGaugeMetadata(OffloadingMetricMetadata):
+    # Each engine reports a whole snapshot per step: the newest sample is the value.
+    multiprocess_mode: str = "mostrecent"
+
+
+@dataclass(frozen=True)
+class OffloadingHistogramMetadata(OffloadingMetricMetadata):
+    buckets: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class OffloadingKVEventsConfig:
+    enable_kv_cache_events: bool
+    self_describing_kv_events: bool
+
+
+#: One info-metric series: label name -> value.
+ConfigInfoMapping = Mapping[str, str | int | float | bool]
+
+
+@dataclass(frozen=True)
+class ConfigInfo:
+    """Fixed facts a component publishes as labels of one info metric, one field per label."""
+
+    @classmethod
+    def config_info_keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def as_config_info(self) -> ConfigInfoMapping:
+        """The label values; ``None`` reads "None", not empty."""
+        return {f.name: "None" if (v := getattr(self, f.name)) is None else v for f in fields(self)}
+
+
+@dataclass
+class CanonicalKVCacheTensor:
+    """One KV cache tensor viewed as (num_blocks, page bytes), int8."""
+
+    tensor: Any
+    page_size_bytes: int
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """A strided run of fragments between this worker's page and the canonical page."""
+
+    local_offset: int
+    canonical_offset: int
+    fragment_size: int
+    num_fragments: int
+    local_stride: int
+    canonical_stride: int
+
+
+@dataclass(frozen=True)
+class CanonicalPageMapping:
+    """How this worker's page maps into a page that does not depend on parallelism."""
+
+    canonical_page_size_bytes: int
+    local_page_size_bytes: int
+    runs: tuple[CopyRun, ...]
+    num_writers: int
+    writer_index: int
+    parallelism_agnostic: bool
+
+    def is_writer(self, block_id: int) -> bool:
+        """Ranks holding the same bytes take turns, block by block, writing them."""
+        return block_id % self.num_writers == self.writer_index
+
+
+@dataclass
+class CanonicalKVCacheRef:
+    """A layer (or layers) of a group: which tensor, and its unpadded page size."""
+
+    tensor_idx: int
+    page_size_bytes: int
+    mapping: CanonicalPageMapping | None = None
+
+
+@dataclass
+class CanonicalKVCaches:
+    """The KV caches as block-level tensors, and how each KV-cache group maps onto them."""
+
+    tensors: list[CanonicalKVCacheTensor]
+    group_data_refs: list[list[CanonicalKVCacheRef]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,18 +442,43 @@ class OffloadingManager(ShutdownOnExit, ABC):
     ) -> None:
         """Make stored keys readable, or forget them if the transfer failed."""
 
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext | None = None) -> CacheHitSource:
+        """The tier a ``HIT`` came from; unknown unless a manager says otherwise."""
+        return CacheHitSource.EXTERNAL_UNSPECIFIED
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        """No more submit-side calls come for this request; transfers may still be in flight."""
         return None
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events since the last call (empty unless events are enabled)."""
         return ()
 
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """The last call of a scheduler step: flush work deferred during the step."""
+        return None
+
     def has_pending_work(self) -> bool:
         return False
+
+    def reset_cache(self) -> None:
+        """Forget every tracked block."""
+        return None
+
+    def on_reset_flushed(self) -> None:
+        """Workers finished every job in flight at the last ``reset_cache``."""
+        return None
+
+    def get_stats(self) -> Any:
+        """Metrics since the last call, or ``None`` when disabled."""
+        return None
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        """Info-metric labels, one mapping per series (see ``ConfigInfo``)."""
+        return [{}]
 
     def shutdown(self) -> None:
         """Release everything this manager owns. Idempotent; call without holding ``lock``."""
@@ -269,21 +509,73 @@ class OffloadingWorker(ShutdownOnExit, ABC):
         """Stop transfers and release every buffer and region. Idempotent."""
 
 
+class OffloadingSpec(ABC):
+    """What a connector builds from an ``OffloadingConfig``: the manager and the workers."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: Mapping[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {}
+
+    @classmethod
+    def config_info_keys(cls, extra_config: Mapping[str, Any]) -> tuple[str, ...]:
+        """The info-metric labels the manager fills (see ``ConfigInfo``)."""
+        return ()
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        self.config = config
+        self.extra_config = config.extra_config
+        self.replicated_layout: bool = False
+        self.kv_events_config = OffloadingKVEventsConfig(
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            self_describing_kv_events=bool(self.extra_config.get("self_describing_kv_events", False)),
+        )
+        self.offload_prompt_only: bool = bool(self.extra_config.get("offload_prompt_only", True))
+        self.tokens_per_block = tuple(group.tokens_per_block for group in config.groups)
+        self.tokens_per_hash = config.cache.tokens_per_hash
+        self.blocks_per_chunk = config.cache.blocks_per_chunk
+
+    @abstractmethod
+    def get_manager(self) -> OffloadingManager:
+        """The scheduler side's manager."""
+
+    @abstractmethod
+    def get_worker(self, kv_caches: Any) -> OffloadingWorker:
+        """One worker's mover of KV bytes."""
+
+
 __all__ = [
     "BlockIDsLoadStoreSpec",
     "CPULoadStoreSpec",
+    "CacheHitSource",
+    "CanonicalKVCacheRef",
+    "CanonicalKVCacheTensor",
+    "CanonicalKVCaches",
+    "CanonicalPageMapping",
+    "ConfigInfo",
+    "ConfigInfoMapping",
+    "CopyRun",
     "GPULoadStoreSpec",
     "LoadStoreSpec",
+    "Locality",
     "LookupResult",
     "Medium",
     "OffloadKey",
     "OffloadPolicy",
+    "OffloadingCounterMetadata",
     "OffloadingEvent",
+    "OffloadingGaugeMetadata",
+    "OffloadingHistogramMetadata",
+    "OffloadingKVEventsConfig",
     "OffloadingManager",
+    "OffloadingMetricMetadata",
+    "OffloadingSpec",
     "OffloadingWorker",
     "PrepareStoreOutput",
     "ReqContext",
     "RequestOffloadingContext",
+    "ScheduleEndContext",
+    "TierFilter",
+    "TierMatcher",
     "TransferResult",
     "get_offload_block_hash",
     "get_offload_group_idx",

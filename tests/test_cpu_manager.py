@@ -331,9 +331,9 @@ def test_events_report_stores_evictions_and_failed_stores() -> None:
     prepared(manager, 1)
     manager.complete_store(keys(1), success=False)
     assert list(manager.take_events()) == [
-        OffloadingEvent((key(0),), Medium.CPU, removed=False),
-        OffloadingEvent((key(0),), Medium.CPU, removed=True),
-        OffloadingEvent((key(1),), Medium.CPU, removed=True, metadata_only=True),
+        OffloadingEvent([key(0)], Medium.CPU, removed=False),
+        OffloadingEvent([key(0)], Medium.CPU, removed=True),
+        OffloadingEvent([key(1)], Medium.CPU, removed=True, metadata_only=True),
     ]
 
 

@@ -407,7 +407,7 @@ def test_complete_store_does_not_finish_a_promotion_in_flight(region: FakeRegion
 def test_primary_events_pass_through(region: FakeRegion) -> None:
     with build(region, example_tier) as manager:
         store(manager, 1)
-        assert list(manager.take_events()) == [OffloadingEvent((key(1),), Medium.CPU, removed=False)]
+        assert list(manager.take_events()) == [OffloadingEvent([key(1)], Medium.CPU, removed=False)]
 
 
 # ---------------------------------------------------------------- the tier-poll thread

@@ -107,9 +107,9 @@ class CPUOffloadingManager(OffloadingManager):
     def _emit(self, keys: Iterable[OffloadKey], removed: bool, metadata_only: bool = False) -> None:
         if self._events is None:
             return
-        keys = tuple(keys)
+        keys = list(keys)
         if keys:
-            self._events.append(OffloadingEvent(keys, self.medium, removed, metadata_only))
+            self._events.append(OffloadingEvent(keys, self.medium, removed, metadata_only=metadata_only))
 
     # ----------------------------------------------------------------- lookups and loads
 
