@@ -96,3 +96,25 @@ class RootError(KvOffloadError):
     def __init__(self, root: Path | str, message: str, *, fix: str | None = None) -> None:
         super().__init__(f"{root}: {message}", fix=fix)
         self.root = Path(root)
+
+
+class TierIOError(KvOffloadError, OSError):
+    """A file-backed secondary tier could not read or write ``path``.
+
+    An ``OSError`` too, with the OS's ``errno`` when the OS refused, so callers written for
+    vLLM's tiers catch it. ``num_succeeded``: blocks of the batch copied before this one.
+    """
+
+    def __init__(
+        self,
+        path: Path | str,
+        message: str,
+        *,
+        errno: int | None = None,
+        num_succeeded: int = 0,
+        fix: str | None = None,
+    ) -> None:
+        super().__init__(f"{path}: {message}", fix=fix)
+        self.path = Path(path)
+        self.errno = errno
+        self.num_succeeded = num_succeeded
