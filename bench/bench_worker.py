@@ -44,7 +44,8 @@ from types import FrameType
 import torch
 from figures import Row, entry, huge_tmpfs, report
 
-from kvoffload.base import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.base import GPULoadStoreSpec
+from kvoffload.cpu.common import CPULoadStoreSpec
 from kvoffload.cpu.gpu_worker import CPUOffloadingWorker
 from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 

@@ -14,13 +14,13 @@ import pytest
 
 from kvoffload import faults
 from kvoffload.base import (
-    CPULoadStoreSpec,
     LookupResult,
     Medium,
     OffloadingEvent,
     OffloadKey,
     make_offload_key,
 )
+from kvoffload.cpu.common import CPULoadStoreSpec
 from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 from kvoffload.errors import ConfigError, InjectedFault, KvOffloadError
 from kvoffload.tiering.base import JobResult, SecondaryTierManager, TransferJob

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvoffload import faults
-from kvoffload.base import CPULoadStoreSpec, GPULoadStoreSpec, TransferResult
+from kvoffload.base import GPULoadStoreSpec, TransferResult
+from kvoffload.cpu.common import CPULoadStoreSpec
 from kvoffload.cpu.gpu_worker import (
     LONG_RUN_BYTES,
     PARALLEL_COPY_BYTES,

@@ -51,12 +51,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoffload import faults
 from kvoffload.base import (
-    CPULoadStoreSpec,
     GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
 )
+from kvoffload.cpu.common import CPULoadStoreSpec
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.release import release_all
 

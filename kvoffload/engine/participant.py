@@ -273,7 +273,8 @@ class _Participant:
         """Store one chunk's blocks to the region, load them back into other blocks, compare."""
         import torch
 
-        from kvoffload.base import CPULoadStoreSpec, GPULoadStoreSpec
+        from kvoffload.base import GPULoadStoreSpec
+        from kvoffload.cpu.common import CPULoadStoreSpec
 
         worker, n, rank = self.worker, self.args.config.blocks_per_chunk, self.args.rank or 0
         if worker is None:

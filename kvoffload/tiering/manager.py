@@ -37,7 +37,6 @@ from typing import Protocol, cast
 
 from kvoffload import faults
 from kvoffload.base import (
-    CPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
     OffloadingEvent,
@@ -47,6 +46,7 @@ from kvoffload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
+from kvoffload.cpu.common import CPULoadStoreSpec
 from kvoffload.cpu.manager import CPUOffloadingManager
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.release import release_all
