@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.base import (
-    CPULoadStoreSpec,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -17,6 +16,7 @@ from kvoffload.base import (
     PrepareStoreOutput,
     make_offload_key,
 )
+from kvoffload.cpu.common import CPULoadStoreSpec
 from kvoffload.cpu.manager import CPUOffloadingManager
 from kvoffload.cpu.policies import Eviction, LRUCachePolicy
 from kvoffload.errors import ConfigError, KvOffloadError

@@ -21,7 +21,6 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable
 
 from kvoffload.base import (
-    CPULoadStoreSpec,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -30,6 +29,7 @@ from kvoffload.base import (
     PrepareStoreOutput,
     ReqContext,
 )
+from kvoffload.cpu.common import CPULoadStoreSpec
 from kvoffload.cpu.policies import WRITE_PENDING, CachePolicyFactory, ChunkStatus
 from kvoffload.errors import ConfigError, KvOffloadError
 
