@@ -231,17 +231,6 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         object.__setattr__(self, "block_indices", starts)
 
 
-@dataclass(frozen=True, slots=True, init=False)
-class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
-    """CPU region chunk ids; one chunk holds ``blocks_per_chunk`` GPU blocks."""
-
-    MEDIUM: ClassVar[Medium] = Medium.CPU
-
-    @property
-    def chunk_ids(self) -> tuple[int, ...]:
-        return self.block_ids
-
-
 @dataclass(frozen=True, slots=True)
 class PrepareStoreOutput:
     """What ``prepare_store`` decided: which keys to write where, and what it evicted for them."""
@@ -545,7 +534,6 @@ class OffloadingSpec(ABC):
 
 __all__ = [
     "BlockIDsLoadStoreSpec",
-    "CPULoadStoreSpec",
     "CacheHitSource",
     "CanonicalKVCacheRef",
     "CanonicalKVCacheTensor",

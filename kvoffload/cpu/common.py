@@ -1,5 +1,5 @@
-"""What the CPU tier publishes about itself: its metric names and its info labels (vLLM's
-``kv_offload/cpu/common.py``).
+"""What the CPU tier's manager, worker and spec share: its load/store spec, its metric names and
+its info labels (vLLM's ``kv_offload/cpu/common.py``).
 
 ``CPUOffloadingInfo`` is computed once, by the spec, from the same sizing the region is
 built with, so a label can never disagree with the memory behind it. The manager only
@@ -10,9 +10,9 @@ so a CPU fact has one name whether the CPU cache stands alone or under a tiering
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
-from kvoffload.base import ConfigInfo, CPULoadStoreSpec
+from kvoffload.base import BlockIDsLoadStoreSpec, ConfigInfo, Medium
 
 if TYPE_CHECKING:
     from kvoffload.config import OffloadingConfig
@@ -26,6 +26,21 @@ class CPUOffloadingMetrics:
     CPU_ALLOCATION_SIZE = "vllm:kv_offload_cpu_allocation_size"
     CPU_CACHE_WRITE_USAGE_PERC = "vllm:kv_offload_cpu_cache_write_usage_perc"
     CPU_CACHE_READ_USAGE_PERC = "vllm:kv_offload_cpu_cache_read_usage_perc"
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """CPU region chunk ids; one chunk holds ``blocks_per_chunk`` GPU blocks.
+
+    ``chunk_ids`` is ``block_ids`` under the name the tiering layer uses: here the ids
+    index chunks of the CPU region, not GPU blocks.
+    """
+
+    MEDIUM: ClassVar[Medium] = Medium.CPU
+
+    @property
+    def chunk_ids(self) -> tuple[int, ...]:
+        return self.block_ids
 
 
 @dataclass(frozen=True)
