@@ -1,0 +1,1 @@
+"""The filesystem secondary tier: one file per KV block under a shared root (vLLM's ``fs`` tier)."""
