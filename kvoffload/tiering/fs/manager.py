@@ -99,7 +99,7 @@ def _view_is_aligned(view: memoryview, block_size: int) -> bool:
             anchor = ctypes.c_char.from_buffer(flat)
             address = ctypes.addressof(anchor)
             del anchor  # the export of the view goes with it
-    except (TypeError, ValueError, BufferError):
+    except (TypeError, ValueError):
         return False  # read-only or not a plain buffer: no direct I/O
     return address % DIRECT_IO_ALIGNMENT == 0
 
