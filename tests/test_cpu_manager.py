@@ -397,4 +397,4 @@ def test_no_chunk_is_ever_shared_and_none_is_lost(ops: list[tuple[str, int]]) ->
         assert len(chunks) == len(set(chunks))
         assert len(chunks) + manager.num_free_chunks == 4
         # The count that lets a full pool refuse a store at once is the true one.
-        assert manager._num_evictable == sum(1 for s in held if s is not None and s.ref_cnt == 0)
+        assert manager._num_evictable_cache_chunks == sum(1 for s in held if s is not None and s.ref_cnt == 0)

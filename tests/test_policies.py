@@ -1,4 +1,8 @@
-"""Cache policies: eviction order, the atomic-evict rule, ARC's adaptation, the factory."""
+"""Cache policies: eviction order, the atomic-evict rule, ARC's lists, the factory.
+
+How a request's accesses reach a policy (on_request_finished, store misses, ghosts) is in
+tests/test_vllm_cache_behaviour.py.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.base import OffloadKey, make_offload_key
-from kvoffload.cpu.policies import (
-    KNOWN_POLICIES,
-    ARCCachePolicy,
-    CachePolicy,
-    CachePolicyFactory,
-    ChunkStatus,
-    LRUCachePolicy,
-)
+from kvoffload.base import OffloadKey, ReqContext, make_offload_key
+from kvoffload.cpu.policies import KNOWN_POLICIES
+from kvoffload.cpu.policies.arc import ARCCachePolicy
+from kvoffload.cpu.policies.base import CachePolicy, ChunkStatus
+from kvoffload.cpu.policies.factory import CachePolicyFactory
+from kvoffload.cpu.policies.lru import LRUCachePolicy
 from kvoffload.errors import ConfigError
 
 
@@ -22,11 +23,15 @@ def key(i: int) -> OffloadKey:
     return make_offload_key(i.to_bytes(8, "big"), 0)
 
 
+def ctx() -> ReqContext:
+    return ReqContext(req_id="test")
+
+
 def filled(policy_cls: type[CachePolicy], n: int, capacity: int | None = None) -> CachePolicy:
     """A policy holding keys 0..n-1, all ready and unpinned, inserted in that order."""
     policy = policy_cls(capacity if capacity is not None else n)
     for i in range(n):
-        policy.insert(key(i), ChunkStatus(i, ref_cnt=0))
+        policy.insert(key(i), ChunkStatus(i, ref_cnt=0), ctx())
     return policy
 
 
@@ -55,13 +60,12 @@ def policy_cls(request: pytest.FixtureRequest) -> type[CachePolicy]:
 def test_evict_is_all_or_nothing(policy_cls: type[CachePolicy]) -> None:
     policy = filled(policy_cls, 3)
     assert policy.evict(4, frozenset()) is None
-    assert len(policy) == 3
     assert all(policy.get(key(i)) is not None for i in range(3))
 
 
 def test_evict_skips_pending_writes_and_pinned_chunks(policy_cls: type[CachePolicy]) -> None:
     policy = filled(policy_cls, 3)
-    policy.insert(key(3), ChunkStatus(3))  # write pending
+    policy.insert(key(3), ChunkStatus(3), ctx())  # write pending
     status = policy.get(key(0))
     assert status is not None
     status.ref_cnt = 2  # pinned by two loads
@@ -79,7 +83,8 @@ def test_evict_returns_the_chunks_it_frees(policy_cls: type[CachePolicy]) -> Non
     victims = policy.evict(2, frozenset())
     assert victims is not None
     assert sorted(chunk.chunk_id for _, chunk in victims) == [0, 1]
-    assert len(policy) == 0
+    assert policy.get(key(0)) is None
+    assert policy.get(key(1)) is None
 
 
 def test_get_does_not_change_eviction_order(policy_cls: type[CachePolicy]) -> None:
@@ -93,27 +98,32 @@ def test_remove_forgets_a_key_and_ignores_unknown_ones(policy_cls: type[CachePol
     policy.remove(key(0))
     policy.remove(key(99))
     assert policy.get(key(0)) is None
-    assert len(policy) == 1
+    assert evicted_keys(policy, 1) == [1]
 
 
 def test_clear_forgets_everything(policy_cls: type[CachePolicy]) -> None:
     policy = filled(policy_cls, 3)
     policy.clear()
-    assert len(policy) == 0
+    assert all(policy.get(key(i)) is None for i in range(3))
     assert policy.evict(1, frozenset()) is None
 
 
 def test_touching_a_request_keeps_its_first_block_longest(policy_cls: type[CachePolicy]) -> None:
     policy = filled(policy_cls, 4)
-    policy.touch([key(0), key(1), key(2), key(3)])
+    policy.touch([key(0), key(1), key(2), key(3)], ctx())
     # Later blocks of a prefix are useless without the earlier ones: they go first.
     assert evicted_keys(policy, 4) == [3, 2, 1, 0]
 
 
 def pin(policy: CachePolicy, i: int, ref_cnt: int = 1) -> ChunkStatus:
+    """Set a chunk's ref_cnt and tell the policy, as the manager does."""
     status = policy.get(key(i))
     assert status is not None
-    status.ref_cnt = ref_cnt
+    was_evictable, status.ref_cnt = status.ref_cnt == 0, ref_cnt
+    if was_evictable and ref_cnt != 0:
+        policy.mark_non_evictable(key(i))
+    elif not was_evictable and ref_cnt == 0:
+        policy.mark_evictable(key(i))
     return status
 
 
@@ -124,31 +134,30 @@ def test_a_held_chunk_stepped_over_by_an_eviction_is_oldest_again_when_released(
     pin(policy, 0)
     assert evicted_keys(policy, 1) == [1]
     pin(policy, 0, ref_cnt=0)
-    policy.mark_evictable(key(0))
     assert evicted_keys(policy, 2) == [0, 2]
 
 
-def test_a_chunk_released_without_the_hook_is_still_evicted(policy_cls: type[CachePolicy]) -> None:
+def test_a_chunk_pinned_without_the_hook_is_still_never_evicted(policy_cls: type[CachePolicy]) -> None:
     policy = filled(policy_cls, 3)
-    pin(policy, 0)
-    assert evicted_keys(policy, 1) == [1]
-    pin(policy, 0, ref_cnt=0)  # no mark_evictable: a caller that sets ref_cnt itself
-    assert sorted(evicted_keys(policy, 2)) == [0, 2]
-    assert len(policy) == 0
+    status = policy.get(key(0))
+    assert status is not None
+    status.ref_cnt = 1  # no mark_non_evictable: eviction still checks ref_cnt itself
+    assert evicted_keys(policy, 2) == [1, 2]
+    assert policy.evict(1, frozenset()) is None
+    assert policy.get(key(0)) is status
 
 
 def test_a_pending_chunk_stepped_over_keeps_its_key_and_status(policy_cls: type[CachePolicy]) -> None:
     policy = filled(policy_cls, 2)
     pending = ChunkStatus(7)
-    policy.insert(key(7), pending)
+    policy.insert(key(7), pending, ctx())
     pin(policy, 0, ref_cnt=-1)
     assert evicted_keys(policy, 1) == [1]
     assert policy.evict(1, frozenset()) is None
     assert policy.get(key(7)) is pending
-    assert len(policy) == 2
     policy.remove(key(0))
     assert policy.get(key(0)) is None
-    assert len(policy) == 1
+    assert policy.get(key(7)) is pending
 
 
 def test_touching_a_stepped_over_chunk_makes_it_the_most_recent(policy_cls: type[CachePolicy]) -> None:
@@ -156,7 +165,7 @@ def test_touching_a_stepped_over_chunk_makes_it_the_most_recent(policy_cls: type
     pin(policy, 0)
     assert evicted_keys(policy, 1) == [1]
     pin(policy, 0, ref_cnt=0)
-    policy.touch([key(0)])
+    policy.touch([key(0)], ctx())
     assert evicted_keys(policy, 2) == [2, 0]
 
 
@@ -171,7 +180,6 @@ def test_evictions_take_the_oldest_evictable_chunks_while_many_are_held(
     # Released youngest first: each returns ahead of the others, so the oldest leaves first.
     for i in range(499, -1, -1):
         pin(policy, i, ref_cnt=0)
-        policy.mark_evictable(key(i))
     assert evicted_keys(policy, 3) == [0, 1, 2]
 
 
@@ -196,19 +204,20 @@ def test_policies_evict_only_ready_unpinned_unprotected_keys(
         k = key(i)
         if op == "insert" and k not in model and len(model) < capacity:
             model[k] = ChunkStatus(i)
-            policy.insert(k, model[k])
+            policy.insert(k, model[k], ctx())
         elif op == "ready" and k in model and model[k].ref_cnt == -1:
             model[k].ref_cnt = 0
-            if i % 2:  # the hook is a hint: eviction must be right with or without it
-                policy.mark_evictable(k)
+            policy.mark_evictable(k)
         elif op == "pin" and k in model and model[k].ref_cnt >= 0:
+            if model[k].ref_cnt == 0:
+                policy.mark_non_evictable(k)
             model[k].ref_cnt += 1
         elif op == "unpin" and k in model and model[k].ref_cnt > 0:
             model[k].ref_cnt -= 1
-            if model[k].ref_cnt == 0 and i % 2:
+            if model[k].ref_cnt == 0:
                 policy.mark_evictable(k)
         elif op == "touch":
-            policy.touch([k])
+            policy.touch([k], ctx())
         elif op == "remove" and k in model:
             del model[k]
             policy.remove(k)
@@ -225,8 +234,8 @@ def test_policies_evict_only_ready_unpinned_unprotected_keys(
             assert {v for v, _ in victims} <= candidates
             for v, status in victims:
                 assert model.pop(v) is status
-        assert len(policy) == len(model)
         assert all(policy.get(c) is s for c, s in model.items())
+        assert all(policy.get(key(j)) is None for j in range(12) if key(j) not in model)
 
 
 # ---------------------------------------------------------------- LRU
@@ -238,73 +247,72 @@ def test_lru_evicts_the_least_recently_stored_first() -> None:
 
 def test_lru_touch_makes_a_key_most_recent() -> None:
     policy = filled(LRUCachePolicy, 3)
-    policy.touch([key(0)])
+    policy.touch([key(0)], ctx())
     assert evicted_keys(policy, 3) == [1, 2, 0]
 
 
 # ---------------------------------------------------------------- ARC
 
 
+def arc(n: int, capacity: int | None = None) -> ARCCachePolicy:
+    policy = filled(ARCCachePolicy, n, capacity)
+    assert isinstance(policy, ARCCachePolicy)
+    return policy
+
+
 def test_arc_puts_new_keys_in_the_recent_list() -> None:
-    policy = filled(ARCCachePolicy, 2)
-    assert isinstance(policy, ARCCachePolicy)
-    assert policy.recent_keys == [key(0), key(1)]
-    assert policy.frequent_keys == []
+    policy = arc(2)
+    assert list(policy.t1) == [key(0), key(1)]
+    assert list(policy.t2) == []
 
 
-def test_arc_touch_moves_a_key_to_the_frequent_list() -> None:
-    policy = filled(ARCCachePolicy, 2)
-    assert isinstance(policy, ARCCachePolicy)
-    policy.touch([key(0)])
-    assert policy.recent_keys == [key(1)]
-    assert policy.frequent_keys == [key(0)]
+def test_arc_touch_moves_a_ready_key_to_the_frequent_list() -> None:
+    policy = arc(2)
+    policy.touch([key(0)], ctx())
+    assert list(policy.t1) == [key(1)]
+    assert list(policy.t2) == [key(0)]
 
 
-def test_arc_evicts_recent_keys_before_frequent_ones_while_over_target() -> None:
-    policy = filled(ARCCachePolicy, 3)
-    policy.touch([key(0)])
+def test_arc_touch_keeps_a_key_still_being_written_in_the_recent_list() -> None:
+    policy = arc(2)
+    policy.insert(key(2), ChunkStatus(2), ctx())
+    policy.touch([key(2)], ctx())
+    assert list(policy.t1) == [key(0), key(1), key(2)]
+    assert list(policy.t2) == []
+
+
+def test_arc_evicts_recent_keys_before_frequent_ones_while_t1_holds_its_target() -> None:
+    policy = arc(3)
+    policy.touch([key(0)], ctx())
     assert evicted_keys(policy, 2) == [1, 2]
     assert evicted_keys(policy, 1) == [0]
 
 
 def test_arc_remembers_evicted_keys_as_ghosts() -> None:
-    policy = filled(ARCCachePolicy, 3)
-    assert isinstance(policy, ARCCachePolicy)
-    policy.touch([key(2)])
+    policy = arc(3)
+    policy.touch([key(2)], ctx())
     evicted_keys(policy, 3)
-    assert policy.ghost_keys == ([key(0), key(1)], [key(2)])
+    assert (list(policy.b1), list(policy.b2)) == ([key(0), key(1)], [key(2)])
 
 
-def test_arc_storing_a_recent_ghost_again_grows_the_recent_target() -> None:
-    policy = filled(ARCCachePolicy, 3)
-    assert isinstance(policy, ARCCachePolicy)
+def test_arc_storing_a_ghost_again_puts_it_in_the_recent_list_and_forgets_the_ghost() -> None:
+    policy = arc(3)
     evicted_keys(policy, 1)
-    policy.insert(key(0), ChunkStatus(0, ref_cnt=0))
-    assert policy.target_t1_size == 1.0
-    assert key(0) in policy.frequent_keys
+    policy.insert(key(0), ChunkStatus(0, ref_cnt=0), ctx())
+    assert key(0) in policy.t1
+    assert key(0) not in policy.b1
 
 
-def test_arc_storing_a_frequent_ghost_again_shrinks_the_recent_target() -> None:
-    policy = filled(ARCCachePolicy, 3)
-    assert isinstance(policy, ARCCachePolicy)
-    evicted_keys(policy, 1)
-    policy.insert(key(0), ChunkStatus(0, ref_cnt=0))  # target 1.0, key 0 in T2
-    evicted_keys(policy, 2)  # T1 (keys 1, 2) is over target: both go to B1
-    evicted_keys(policy, 1)  # then key 0 leaves T2 for B2
-    policy.insert(key(0), ChunkStatus(0, ref_cnt=0))
-    assert policy.target_t1_size == 0.0
-
-
-def test_arc_bounds_its_ghost_lists_by_capacity() -> None:
-    policy = filled(ARCCachePolicy, 4, capacity=4)
-    assert isinstance(policy, ARCCachePolicy)
+def test_arc_bounds_each_ghost_list_by_capacity() -> None:
+    policy = arc(4, capacity=4)
     for round_ in range(5):
+        policy.touch([key(100 * round_)], ctx())  # one key a round goes through T2
         evicted_keys(policy, 4)
         for i in range(4):
-            policy.insert(key(100 * (round_ + 1) + i), ChunkStatus(i, ref_cnt=0))
-    recent_ghosts, frequent_ghosts = policy.ghost_keys
-    assert len(policy.recent_keys) + len(recent_ghosts) <= 4
-    assert len(policy) + len(recent_ghosts) + len(frequent_ghosts) <= 8
+            policy.insert(key(100 * (round_ + 1) + i), ChunkStatus(i, ref_cnt=0), ctx())
+    assert len(policy.b1) <= 4
+    assert len(policy.b2) <= 4
+    assert len(policy.b2) == 4
 
 
 # ---------------------------------------------------------------- factory
@@ -317,11 +325,30 @@ def test_known_policies_are_the_factory_names() -> None:
 
 
 def test_unknown_policy_without_module_path_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="unknown cache policy 'fifo'") as info:
+    with pytest.raises(ConfigError, match="Unknown cache policy 'fifo'") as info:
         CachePolicyFactory.get_cache_policy_cls("fifo")
     assert info.value.key == "eviction_policy"
     assert info.value.fix is not None
     assert "cache_policy_module_path" in info.value.fix
+
+
+def test_a_registered_name_resolves_to_its_class_and_cannot_be_registered_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(CachePolicyFactory, "_registry", dict(CachePolicyFactory._registry))
+    CachePolicyFactory.register_cache_policy("out-of-tree", "tests.test_policies", "OutOfTreePolicy")
+    assert CachePolicyFactory.get_cache_policy_cls("out-of-tree") is OutOfTreePolicy
+    with pytest.raises(ConfigError, match="is already registered") as info:
+        CachePolicyFactory.register_cache_policy("out-of-tree", "tests.test_policies", "OutOfTreePolicy")
+    assert info.value.key == "eviction_policy"
+
+
+def test_a_registered_name_is_imported_only_when_it_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CachePolicyFactory, "_registry", dict(CachePolicyFactory._registry))
+    CachePolicyFactory.register_cache_policy("later", "tests.no_such_module", "Whatever")
+    with pytest.raises(ConfigError) as info:
+        CachePolicyFactory.get_cache_policy_cls("later")
+    assert info.value.key == "cache_policy_module_path"
 
 
 def test_out_of_tree_policy_is_imported_from_its_module_path() -> None:

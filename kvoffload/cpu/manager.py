@@ -12,15 +12,27 @@ worker. A key's chunk goes through three states, kept in its ``ref_cnt``:
 ids are handed out in order (0, 1, 2, ...) before freed ones are reused, so a young
 pool touches as few pages of the region as possible.
 
+Cache accesses are counted per request. Each call made for a request records the keys
+it met on the request's ``ReqContext`` (which ones it stored, which ready ones it
+reused); ``on_request_finished`` hands them to the policy at once, in prefix order. So
+the order in which transfers complete, a request offering the same keys twice, or a
+tier reading back what the request just stored never count as extra uses. A call made
+without a request (``req_context=None``: a tier's own transfer) records nothing.
+
 The manager holds no resource: ``shutdown`` only forgets the bookkeeping.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvoffload.base import (
+    CacheHitSource,
+    ConfigInfoMapping,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -28,18 +40,58 @@ from kvoffload.base import (
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
+    RequestOffloadingContext,
+    get_offload_group_idx,
 )
-from kvoffload.cpu.common import CPULoadStoreSpec
-from kvoffload.cpu.policies import WRITE_PENDING, CachePolicyFactory, ChunkStatus
+from kvoffload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo, CPUOffloadingMetrics
+from kvoffload.cpu.policies.base import CachePolicy, ChunkStatus
+from kvoffload.cpu.policies.factory import CachePolicyFactory
 from kvoffload.errors import ConfigError, KvOffloadError
+
+
+@dataclass(slots=True)
+class _RequestAccess:
+    """The keys one request met in one manager's cache, kept on its ``ReqContext``."""
+
+    manager: object
+    generation: int
+    key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)  # group -> keys, first met first
+    seen: set[OffloadKey] = field(default_factory=set)
+    inserted: set[OffloadKey] = field(default_factory=set)
+    reused: set[OffloadKey] = field(default_factory=set)
+    store_misses: set[OffloadKey] = field(default_factory=set)
+    finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CPUOffloadingStats:
+    """The pool's use now, and what happened since the last ``take_stats``.
+
+    Usages are fractions of the pool: ``usage`` counts every chunk that is not evictable
+    (write pending or pinned by a load), ``write_usage`` the pending writes and
+    ``read_usage`` the rest. ``stores_skipped`` is ``None`` without a store threshold.
+    """
+
+    usage: float
+    write_usage: float
+    read_usage: float
+    allocation_sizes: tuple[int, ...]
+    stores_skipped: int | None
+
+
+def _no_request() -> ReqContext:
+    # The policies always get a context; one made for a single call carries no history.
+    return ReqContext(req_id="")
 
 
 class CPUOffloadingManager(OffloadingManager):
     """Chunk pool, reference counts and a cache policy over ``num_chunks`` CPU chunks.
 
-    ``store_threshold >= 2`` stores a key only on its ``store_threshold``-th store
-    request (keys seen fewer times are remembered in a tracker of at most
-    ``max_tracker_size`` keys, oldest dropped first); 0 and 1 store on the first.
+    ``store_threshold >= 2`` stores a key only once it has been offered
+    ``store_threshold`` times (resident or not: every offer counts). The counts live in
+    ``counts``, at most ``max_tracker_size`` keys, the least recently offered dropped
+    first, though never for a key of the offer being counted; 0 and 1 store on the
+    first offer. ``info`` is what ``config_info`` publishes.
     """
 
     medium = Medium.CPU
@@ -52,6 +104,7 @@ class CPUOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         store_threshold: int = 1,
         max_tracker_size: int = 64_000,
+        info: CPUOffloadingInfo | None = None,
     ) -> None:
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 0:
             raise ConfigError("num_chunks", f"must be a non-negative integer, got {num_chunks!r}")
@@ -66,17 +119,21 @@ class CPUOffloadingManager(OffloadingManager):
         self.num_chunks = num_chunks
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self._policy = policy_cls(cache_capacity=num_chunks)
+        self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
+        self._policy: CachePolicy = policy_cls(cache_capacity=num_chunks)
         self._next_fresh_chunk = 0
         self._free_chunks: list[int] = []
         # Chunks with ref_cnt 0: a store that needs more than these (less its own keys)
         # is refused without asking the policy, which would walk every held chunk to say no.
-        self._num_evictable = 0
+        self._num_evictable_cache_chunks = 0
+        self._num_write_pending_chunks = 0
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
-        # Keys asked to be stored fewer than store_threshold times, with their counts.
-        self._store_requests: OrderedDict[OffloadKey, int] | None = (
-            OrderedDict() if store_threshold >= 2 else None
-        )
+        # Offers per key, least recently offered first.
+        self.counts: OrderedDict[OffloadKey, int] | None = OrderedDict() if store_threshold >= 2 else None
+        self.stores_skipped_in_current_batch = 0
+        self.allocation_sizes_in_current_batch: list[int] = []
+        # Bumped by reset_cache: a request's record from before it describes another cache.
+        self._cache_generation = 0
 
     # ----------------------------------------------------------------- pool
 
@@ -84,19 +141,15 @@ class CPUOffloadingManager(OffloadingManager):
     def num_free_chunks(self) -> int:
         return len(self._free_chunks) + self.num_chunks - self._next_fresh_chunk
 
-    @property
-    def num_stored(self) -> int:
-        """Keys holding a chunk (pending writes included)."""
-        return len(self._policy)
-
-    def _allocate(self, n: int) -> list[int]:
-        ids: list[int] = []
-        while len(ids) < n and self._next_fresh_chunk < self.num_chunks:
-            ids.append(self._next_fresh_chunk)
+    def _allocate_chunks(self, keys: Sequence[OffloadKey]) -> list[ChunkStatus]:
+        """One chunk, write pending, per key: fresh ones first, then the last freed."""
+        chunks: list[ChunkStatus] = []
+        while len(chunks) < len(keys) and self._next_fresh_chunk < self.num_chunks:
+            chunks.append(ChunkStatus(self._next_fresh_chunk))
             self._next_fresh_chunk += 1
-        while len(ids) < n:
-            ids.append(self._free_chunks.pop())
-        return ids
+        while len(chunks) < len(keys):
+            chunks.append(ChunkStatus(self._free_chunks.pop()))
+        return chunks
 
     def _status(self, key: OffloadKey, action: str) -> ChunkStatus:
         status = self._policy.get(key)
@@ -111,7 +164,69 @@ class CPUOffloadingManager(OffloadingManager):
         if keys:
             self._events.append(OffloadingEvent(keys, self.medium, removed, metadata_only=metadata_only))
 
+    # ----------------------------------------------------------------- request accesses
+
+    def _request_access(self, req_context: ReqContext) -> _RequestAccess:
+        access = req_context.get_state(_RequestAccess)
+        if access is None or access.manager is not self or access.generation != self._cache_generation:
+            access = _RequestAccess(self, self._cache_generation)
+            req_context.set_state(access)
+        return access
+
+    def _record_request_cache_access(
+        self,
+        keys: Iterable[OffloadKey],
+        req_context: ReqContext,
+        inserted_keys: Iterable[OffloadKey] = (),
+        reused_keys: Iterable[OffloadKey] = (),
+    ) -> None:
+        """Note the keys ``req_context``'s request met; the policy hears of each once."""
+        access = self._request_access(req_context)
+        first_met: list[OffloadKey] = []
+        for key in keys:
+            if key in access.seen:
+                continue
+            if access.finished:
+                raise KvOffloadError(
+                    f"request {req_context.req_id!r} met key {key.hex()} after on_request_finished"
+                )
+            access.key_groups.setdefault(get_offload_group_idx(key), []).append(key)
+            access.seen.add(key)
+            first_met.append(key)
+        if first_met:
+            self._policy.on_request_access(first_met, req_context)
+        access.inserted.update(inserted_keys)
+        # Reading back a chunk this request stored (a tier cascading it) is not a reuse.
+        access.reused.update(key for key in reused_keys if key not in access.inserted)
+
+    def _count_offers(self, keys: Sequence[OffloadKey]) -> None:
+        """One more offer of each key, for the store threshold."""
+        counts = self.counts
+        assert counts is not None
+        offered_known = 0
+        for key in keys:
+            if key in counts:
+                counts[key] += 1
+                counts.move_to_end(key)
+                offered_known += 1
+        # Only keys outside this offer may be dropped to make room: dropping one of its
+        # own keys would let an offer larger than the tracker never make progress.
+        droppable = len(counts) - offered_known
+        for key in keys:
+            if key in counts:
+                continue
+            if len(counts) >= self.max_tracker_size:
+                if droppable == 0:
+                    continue
+                counts.popitem(last=False)
+                droppable -= 1
+            counts[key] = 1
+
     # ----------------------------------------------------------------- lookups and loads
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._request_access(req_context)
+        return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
         status = self._policy.get(key)
@@ -119,9 +234,18 @@ class CPUOffloadingManager(OffloadingManager):
             return LookupResult.MISS
         return LookupResult.HIT if status.is_ready else LookupResult.HIT_PENDING
 
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext | None = None) -> CacheHitSource:
+        return CacheHitSource.HOST
+
     def prepare_load(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None
     ) -> CPULoadStoreSpec:
+        return self._prepare_load(keys, req_context, record_access=True)
+
+    def _prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext | None, *, record_access: bool
+    ) -> CPULoadStoreSpec:
+        """Pin ``keys``; ``record_access=False`` for a tier's own read, which is no request's use."""
         statuses = [self._status(key, "prepare_load") for key in keys]
         pending = [key.hex() for key, status in zip(keys, statuses, strict=True) if not status.is_ready]
         if pending:
@@ -129,13 +253,15 @@ class CPUOffloadingManager(OffloadingManager):
         policy = self._policy
         for key, status in zip(keys, statuses, strict=True):
             if status.ref_cnt == 0:
-                self._num_evictable -= 1
+                self._num_evictable_cache_chunks -= 1
                 policy.mark_non_evictable(key)
             status.ref_cnt += 1
+        if record_access and req_context is not None:
+            self._record_request_cache_access(keys, req_context, reused_keys=keys)
         return CPULoadStoreSpec(status.chunk_id for status in statuses)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
-        self._policy.touch(keys)
+        self._policy.touch(keys, req_context if req_context is not None else _no_request())
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         statuses = [self._status(key, "complete_load") for key in keys]
@@ -155,59 +281,73 @@ class CPUOffloadingManager(OffloadingManager):
         policy = self._policy
         for key in freed:
             policy.mark_evictable(key)
-        self._num_evictable += len(freed)
+        self._num_evictable_cache_chunks += len(freed)
 
     # ----------------------------------------------------------------- stores
-
-    def _admit(self, keys: list[OffloadKey]) -> list[OffloadKey]:
-        """Keys that reached ``store_threshold`` store requests (all keys without a threshold)."""
-        tracker = self._store_requests
-        if tracker is None:
-            return keys
-        admitted = []
-        for key in keys:
-            count = tracker.pop(key, 0) + 1
-            if count >= self.store_threshold:
-                admitted.append(key)
-            else:
-                tracker[key] = count
-        while len(tracker) > self.max_tracker_size:
-            tracker.popitem(last=False)
-        return admitted
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None
     ) -> PrepareStoreOutput | None:
-        new_keys: list[OffloadKey] = []
+        offered = list(dict.fromkeys(keys))  # a key listed twice still gets one chunk
+        if self.counts is not None:
+            self._count_offers(offered)
+        missing: list[OffloadKey] = []
+        ready: list[OffloadKey] = []  # resident and readable: this offer reuses them
         protected_evictable = 0  # keys of this store that are stored and evictable
-        for key in dict.fromkeys(keys):
+        for key in offered:
             status = self._policy.get(key)
             if status is None:
-                new_keys.append(key)
-            elif status.ref_cnt == 0:
-                protected_evictable += 1
-        keys_to_store = self._admit(new_keys)
+                missing.append(key)
+            elif status.is_ready:
+                ready.append(key)
+                protected_evictable += status.ref_cnt == 0
+        keys_to_store = missing
+        if self.counts is not None:
+            counts, threshold = self.counts, self.store_threshold
+            keys_to_store = [key for key in missing if counts.get(key, 0) >= threshold]
+            self.stores_skipped_in_current_batch += len(missing) - len(keys_to_store)
+
+        context = req_context if req_context is not None else _no_request()
+        access = self._request_access(req_context) if req_context is not None else None
+        misses = keys_to_store
+        if access is not None:
+            misses = [key for key in keys_to_store if key not in access.store_misses]
+            access.store_misses.update(misses)
+        if misses:
+            # Before insert: ARC learns from a ghost that insert is about to drop.
+            self._policy.on_store_miss(misses, context)
+        if req_context is not None:
+            # Recorded before the pool can refuse the store: the request met these keys
+            # either way. Keys held back by the threshold were not met as cache entries.
+            met = set(keys_to_store).union(ready)
+            self._record_request_cache_access(
+                (key for key in offered if key in met), req_context, reused_keys=ready
+            )
+
+        if not keys_to_store:
+            return PrepareStoreOutput([], CPULoadStoreSpec(()), [])
+        self.allocation_sizes_in_current_batch.append(len(keys_to_store))
         evicted_keys: list[OffloadKey] = []
         shortfall = len(keys_to_store) - self.num_free_chunks
         if shortfall > 0:
             # Never evict a key of this very store: the caller is about to rely on it.
-            enough = shortfall <= self._num_evictable - protected_evictable
-            evicted = self._policy.evict(shortfall, protected=frozenset(keys)) if enough else None
+            if shortfall > self._num_evictable_cache_chunks - protected_evictable:
+                return None
+            evicted = self._policy.evict(shortfall, set(offered))
             if evicted is None:
-                if self._store_requests is not None:
-                    # They earned their place; the pool being full is not their fault.
-                    for key in keys_to_store:
-                        self._store_requests[key] = self.store_threshold - 1
                 return None
             for key, status in evicted:
                 self._free_chunks.append(status.chunk_id)
                 evicted_keys.append(key)
-            self._num_evictable -= len(evicted)
+            self._num_evictable_cache_chunks -= len(evicted)
             self._emit(evicted_keys, removed=True)
-        chunk_ids = self._allocate(len(keys_to_store))
-        for key, chunk_id in zip(keys_to_store, chunk_ids, strict=True):
-            self._policy.insert(key, ChunkStatus(chunk_id, WRITE_PENDING))
-        return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(chunk_ids), evicted_keys)
+        chunks = self._allocate_chunks(keys_to_store)
+        for key, chunk in zip(keys_to_store, chunks, strict=True):
+            self._policy.insert(key, chunk, context)
+        self._num_write_pending_chunks += len(chunks)
+        if access is not None:
+            access.inserted.update(keys_to_store)
+        return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(c.chunk_id for c in chunks), evicted_keys)
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True
@@ -216,14 +356,15 @@ class CPUOffloadingManager(OffloadingManager):
         finished: list[tuple[OffloadKey, ChunkStatus]] = []
         for key in dict.fromkeys(keys):
             status = self._policy.get(key)
-            if status is not None and status.ref_cnt == WRITE_PENDING:
+            if status is not None and not status.is_ready:
                 finished.append((key, status))
+        self._num_write_pending_chunks -= len(finished)
         if success:
             policy = self._policy
             for key, status in finished:
                 status.ref_cnt = 0
                 policy.mark_evictable(key)
-            self._num_evictable += len(finished)
+            self._num_evictable_cache_chunks += len(finished)
             self._emit((key for key, _ in finished), removed=False)
             return
         for key, status in finished:
@@ -231,13 +372,100 @@ class CPUOffloadingManager(OffloadingManager):
             self._free_chunks.append(status.chunk_id)
         self._emit((key for key, _ in finished), removed=True, metadata_only=True)
 
-    # ----------------------------------------------------------------- requests and events
+    # ----------------------------------------------------------------- requests, events, reset
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._policy.on_request_finished(req_context)
+        access = req_context.get_state(_RequestAccess)
+        if (
+            access is None
+            or access.manager is not self
+            or access.generation != self._cache_generation
+            or access.finished
+        ):
+            return
+        access.finished = True
+        key_groups: list[tuple[OffloadKey, ...]] = []
+        for group_idx in sorted(access.key_groups):
+            group = access.key_groups[group_idx]
+            ends: dict[OffloadKey, int] = {}
+            for key in group:
+                end = req_context.get_offload_key_position(key)
+                if end is None:
+                    break
+                ends[key] = end
+            else:
+                # Stores may arrive out of order (a backfill); the end tokens do not.
+                group = sorted(group, key=ends.__getitem__)
+            key_groups.append(tuple(group))
+        self._policy.on_request_finished(
+            tuple(key_groups), access.inserted - access.reused, set(access.reused), req_context
+        )
 
-    def take_events(self) -> Iterable[OffloadingEvent]:
+    def take_events(self) -> list[OffloadingEvent]:
+        """Every event since the last call, taken at once.
+
+        A failed write's removal is metadata only; a key stored again before the drain
+        (a retry) is left out of it, or the consumer would drop the retry's chunk.
+        """
         if not self._events:
-            return ()
+            return []
         events, self._events = self._events, []
-        return events
+        drained: list[OffloadingEvent] = []
+        for event in events:
+            if not event.metadata_only:
+                drained.append(event)
+                continue
+            gone = [key for key in event.keys if self._policy.get(key) is None]
+            if gone:
+                drained.append(dataclasses.replace(event, keys=gone))
+        return drained
+
+    def reset_cache(self) -> None:
+        """Forget every chunk, pinned or pending alike.
+
+        The scheduler guarantees no ``complete_*`` call arrives for a job from before the
+        reset, and flushes the loads in flight before any new store, so no chunk is
+        written while it is read. Requests that span the reset start a fresh record.
+        """
+        self._policy.clear()
+        self._cache_generation += 1
+        self._num_evictable_cache_chunks = 0
+        self._num_write_pending_chunks = 0
+        self._free_chunks.clear()
+        self._next_fresh_chunk = 0
+
+    # ----------------------------------------------------------------- metrics
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [self._config_info]
+
+    def take_stats(self) -> CPUOffloadingStats:
+        """The pool's use now, and the allocations and skipped stores since the last call."""
+        num_chunks = self.num_chunks
+        held = self._next_fresh_chunk - len(self._free_chunks) - self._num_evictable_cache_chunks
+        usage = held / num_chunks if num_chunks else 0.0
+        write_usage = self._num_write_pending_chunks / num_chunks if num_chunks else 0.0
+        sizes, self.allocation_sizes_in_current_batch = tuple(self.allocation_sizes_in_current_batch), []
+        skipped: int | None = None
+        if self.counts is not None:
+            skipped, self.stores_skipped_in_current_batch = self.stores_skipped_in_current_batch, 0
+        return CPUOffloadingStats(usage, write_usage, max(usage - write_usage, 0.0), sizes, skipped)
+
+    def get_stats(self) -> Any:
+        """``take_stats`` as vLLM's ``OffloadingConnectorStats``; ``None`` where vLLM is not installed."""
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # type: ignore[import-not-found]
+                OffloadingConnectorStats,
+            )
+        except ImportError:
+            return None
+        taken = self.take_stats()
+        stats = OffloadingConnectorStats()
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, taken.usage)
+        for size in taken.allocation_sizes:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, size)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, taken.write_usage)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, taken.read_usage)
+        if taken.stores_skipped is not None:
+            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, taken.stores_skipped)
+        return stats
