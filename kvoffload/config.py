@@ -611,7 +611,7 @@ def _secondary_tiers(extra: Mapping[str, Any], spec_name: str) -> tuple[Mapping[
         )
     if not tiers:
         return ()
-    from kvoffload.tiering.tiers import SecondaryTierFactory
+    from kvoffload.tiering.factory import SecondaryTierFactory
 
     checked = []
     for i, tier in enumerate(tiers):
