@@ -97,6 +97,8 @@ MAX_TIER_POLL_INTERVAL_S = 3600.0
 Lifetime = Literal["kvoffload", "vllm"]
 #: ASCII digits only: ``str.isdigit()`` is also true of '²', which ``int()`` refuses.
 _DIGITS = re.compile(r"[0-9]+")
+#: What ``int()`` reads that is plainly a whole number: an optional sign, then ASCII digits.
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -326,15 +328,7 @@ class OffloadingSettings:
                 fix="remove store_threshold or set it below 2",
             )
         tiers = _secondary_tiers(extra, spec_name)
-        poll = extra.get("tier_poll_interval_s", 0.001)
-        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not _finite(poll):
-            raise ConfigError("kv_connector_extra_config.tier_poll_interval_s", "must be a number of seconds")
-        if poll > MAX_TIER_POLL_INTERVAL_S:
-            raise ConfigError(
-                "kv_connector_extra_config.tier_poll_interval_s",
-                f"must be at most {MAX_TIER_POLL_INTERVAL_S:g} seconds, got {_shown(poll)}",
-                fix="poll the secondary tiers at least once an hour (vLLM's default is 0.001)",
-            )
+        poll = _poll_interval(extra)
 
         return cls(
             engine_id=engine_id,
@@ -353,11 +347,127 @@ class OffloadingSettings:
             offload_prompt_only=_extra_bool(extra, "offload_prompt_only", True),
             canonical_layout=_extra_bool(extra, "canonical_layout", False),
             secondary_tiers=tiers,
-            tier_poll_interval_s=float(poll),
+            tier_poll_interval_s=poll,
             root=Path(root),
             lifetime=lifetime,
             extra_config=dict(extra),
             warnings=tuple(warnings),
+        )
+
+    @classmethod
+    def from_offloading_config(
+        cls,
+        config: OffloadingConfig,
+        *,
+        root: Path | str = Path("/dev/shm"),
+        lifetime: Lifetime = "kvoffload",
+    ) -> OffloadingSettings:
+        """What a spec reads from vLLM's ``OffloadingConfig``, checked.
+
+        vLLM's connector has already chosen the spec, the chunk geometry and the layout, so
+        this accepts what vLLM's specs accept (integral strings, which vLLM ``int()``-converts;
+        a zero-byte block, which gives an empty cache; any ``spec_name``, out-of-tree ones too)
+        and refuses only what they could not use, naming the key and the fix.
+        """
+        extra = config.extra_config
+        if not isinstance(extra, Mapping):
+            raise ConfigError("kv_connector_extra_config", "must be a JSON object")
+        parallel = config.parallel
+        world_size = _check_int("parallel.world_size", parallel.world_size, minimum=1)
+        rank = _check_range(
+            "parallel.rank", _check_int("parallel.rank", parallel.rank, minimum=0), 0, world_size - 1
+        )
+        module_path = extra.get("cache_policy_module_path")
+        if module_path is not None and not isinstance(module_path, str):
+            raise ConfigError("kv_connector_extra_config.cache_policy_module_path", "must be a string")
+        tiers = extra.get("secondary_tiers", [])
+        if not isinstance(tiers, list) or not all(isinstance(t, Mapping) for t in tiers):
+            raise ConfigError(
+                "kv_connector_extra_config.secondary_tiers",
+                "secondary_tiers must be a list of tier configurations",
+                fix='give a JSON list of objects, each with a "type"',
+            )
+        if lifetime not in ("kvoffload", "vllm"):
+            raise ConfigError("lifetime", f"{lifetime!r} is neither 'kvoffload' nor 'vllm'")
+        return cls(
+            engine_id=validate_engine_id(config.engine_id),
+            spec_name=str(extra.get("spec_name", "CPUOffloadingSpec")),
+            cpu_bytes_to_use=_cpu_bytes(extra),
+            worker_kv_bytes_per_block=_check_int(
+                "worker_kv_bytes_per_block",
+                config.worker_kv_bytes_per_block,
+                minimum=0,
+                maximum=MAX_CPU_BYTES,
+            ),
+            world_size=world_size,
+            rank=rank,
+            gpu_block_size=config.groups[0].tokens_per_block if config.groups else 16,
+            blocks_per_chunk=_check_int(
+                "cache.blocks_per_chunk",
+                config.cache.blocks_per_chunk,
+                minimum=1,
+                maximum=MAX_BLOCKS_PER_CHUNK,
+            ),
+            replicated_layout=_check_bool("replicated_layout", config.replicated_layout),
+            eviction_policy=_string(extra, "eviction_policy", "lru"),
+            cache_policy_module_path=module_path,
+            store_threshold=_extra_int(extra, "store_threshold", 0, minimum=0, maximum=MAX_COUNT),
+            max_tracker_size=_extra_int(extra, "max_tracker_size", 64_000, minimum=1, maximum=MAX_COUNT),
+            offload_prompt_only=_extra_bool(extra, "offload_prompt_only", True),
+            canonical_layout=_check_bool("canonical_layout", config.canonical_layout),
+            secondary_tiers=tuple(dict(t) for t in tiers),
+            tier_poll_interval_s=_poll_interval(extra),
+            root=Path(root),
+            lifetime=lifetime,
+            extra_config=dict(extra),
+        )
+
+    def to_offloading_config(self) -> OffloadingConfig:
+        """This engine as vLLM's connector would describe it to a spec.
+
+        ``from_offloading_config`` reads it back to these settings: the settings' own values
+        replace whatever ``extra_config`` said, so a ``dataclasses.replace`` is not lost.
+        """
+        extra = dict(self.extra_config)
+        extra.update(
+            spec_name=self.spec_name,
+            cpu_bytes_to_use=self.cpu_bytes_to_use,
+            eviction_policy=self.eviction_policy,
+            store_threshold=self.store_threshold,
+            max_tracker_size=self.max_tracker_size,
+            offload_prompt_only=self.offload_prompt_only,
+            canonical_layout=self.canonical_layout,
+            secondary_tiers=[dict(t) for t in self.secondary_tiers],
+            tier_poll_interval_s=self.tier_poll_interval_s,
+        )
+        if self.cache_policy_module_path is None:
+            extra.pop("cache_policy_module_path", None)
+        else:
+            extra["cache_policy_module_path"] = self.cache_policy_module_path
+        return OffloadingConfig(
+            groups=(OffloadingGroupConfig(self.gpu_block_size, (), 0),),
+            worker_kv_bytes_per_block=self.worker_kv_bytes_per_block,
+            enable_kv_cache_events=False,
+            extra_config=extra,
+            engine_id=self.engine_id,
+            model=OffloadingModelConfig(name="", dtype="int8"),
+            cache=OffloadingCacheConfig(
+                tokens_per_hash=self.gpu_block_size, blocks_per_chunk=self.blocks_per_chunk
+            ),
+            parallel=OffloadingParallelConfig(
+                rank=self.rank,
+                world_size=self.world_size,
+                tp_size=self.world_size,
+                pp_size=1,
+                pcp_size=1,
+                dcp_size=1,
+                data_parallel_index=0,
+                data_parallel_size=1,
+                data_parallel_rank_local=None,
+                is_parallelism_agnostic=False,
+            ),
+            replicated_layout=self.replicated_layout,
+            canonical_layout=self.canonical_layout,
         )
 
 
@@ -532,9 +642,25 @@ def _check_bool(key: str, value: object) -> bool:
 def _extra_int(
     extra: Mapping[str, Any], key: str, default: int, *, minimum: int, maximum: int | None = None
 ) -> int:
-    return _check_int(
-        f"kv_connector_extra_config.{key}", extra.get(key, default), minimum=minimum, maximum=maximum
-    )
+    """``extra[key]`` as vLLM's ``int()`` reads it: an integer, an integral float or a string of
+    ASCII digits; anything else is refused with the key and the fix, on one line."""
+    name = f"kv_connector_extra_config.{key}"
+    value = extra.get(key, default)
+    if isinstance(value, float) and _finite(value) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+        text = value.strip()
+        if len(text.lstrip("+-").lstrip("0")) > 20:  # int() refuses past sys.get_int_max_str_digits()
+            raise ConfigError(name, f"is a {len(text)}-digit number", fix=_DIGITS_FIX)
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int):
+        shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+        raise ConfigError(
+            name,
+            f"must be a whole number, got {shown}",
+            fix=f'write it as a number, e.g. "{key}": {max(default, minimum)}',
+        )
+    return _check_int(name, value, minimum=minimum, maximum=maximum)
 
 
 def _extra_bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -548,12 +674,28 @@ def _string(extra: Mapping[str, Any], key: str, default: str) -> str:
     return value
 
 
+def _poll_interval(extra: Mapping[str, Any]) -> float:
+    key = "kv_connector_extra_config.tier_poll_interval_s"
+    poll = extra.get("tier_poll_interval_s", 0.001)
+    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not _finite(poll):
+        raise ConfigError(key, "must be a number of seconds", fix='e.g. "tier_poll_interval_s": 0.001')
+    if poll > MAX_TIER_POLL_INTERVAL_S:
+        raise ConfigError(
+            key,
+            f"must be at most {MAX_TIER_POLL_INTERVAL_S:g} seconds, got {_shown(poll)}",
+            fix="poll the secondary tiers at least once an hour (vLLM's default is 0.001)",
+        )
+    return float(poll)
+
+
 def _cpu_bytes(extra: Mapping[str, Any]) -> int:
     key = "kv_connector_extra_config.cpu_bytes_to_use"
     value = extra.get("cpu_bytes_to_use")
-    if value is None or value == 0:
+    if value is None or value in (0, ""):
         raise ConfigError(
-            key, "must be specified", fix='add "cpu_bytes_to_use": <bytes> (the total across all workers)'
+            key,
+            "cpu_bytes_to_use must be specified in kv_connector_extra_config",
+            fix='add "cpu_bytes_to_use": <bytes> (the total across all workers)',
         )
     if isinstance(value, bool):
         raise ConfigError(key, f"must be a number of bytes, got {value!r}")

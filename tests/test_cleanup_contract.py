@@ -86,10 +86,10 @@ def engine(config: OffloadingSettings, cls: type[CPUOffloadingSpec]) -> Iterator
 
 
 def bring_up(config: OffloadingSettings, cls: type[CPUOffloadingSpec], built: dict[str, Any]) -> None:
-    built["worker_spec"] = cls(config.for_rank(0))
+    built["worker_spec"] = cls.from_settings(config.for_rank(0))
     built["worker"] = built["worker_spec"].create_worker(kv_caches())
     footprint = (len(region_fds()), len(region_maps()))
-    built["scheduler_spec"] = cls(config)
+    built["scheduler_spec"] = cls.from_settings(config)
     try:
         built["manager"] = built["scheduler_spec"].get_manager()
     except BaseException:
@@ -171,7 +171,7 @@ def test_primary_failure_cleans_the_bare_region(engine_id: str) -> None:
 
 def test_worker_failure_cleans_its_region(engine_id: str) -> None:
     config = make_config(engine_id, "CPUOffloadingSpec")
-    spec = CPUOffloadingSpec(config)
+    spec = CPUOffloadingSpec.from_settings(config)
     faults.configure({"worker": "raise"})
     with pytest.raises(InjectedFault):
         spec.create_worker(kv_caches())
@@ -199,7 +199,7 @@ def test_get_manager_is_memoised_and_shutdown_releases_everything(engine_id: str
 def test_store_threshold_is_rejected_before_any_allocation(engine_id: str) -> None:
     config = dataclasses.replace(make_config(engine_id, "TieringOffloadingSpec"), store_threshold=2)
     with pytest.raises(ConfigError, match="store_threshold"):
-        TieringOffloadingSpec(config).get_manager()
+        TieringOffloadingSpec.from_settings(config).get_manager()
     assert list(SHM.glob(f"vllm_offload_{engine_id}*")) == []
 
 

@@ -389,7 +389,7 @@ def test_any_json_is_a_config_or_a_config_error_and_nothing_is_allocated_before_
             config = _load(document, root)
             if config is not None:
                 spec_class = TieringOffloadingSpec if config.is_tiering else CPUOffloadingSpec
-                spec_class(config)  # a spec allocates nothing until get_manager/create_worker
+                spec_class.from_settings(config)  # a spec allocates nothing until get_manager/create_worker
                 assert math.isfinite(config.tier_poll_interval_s)
                 assert 0 < config.cpu_bytes_to_use <= MAX_CPU_BYTES
             assert os.listdir(root) == []

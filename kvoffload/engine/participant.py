@@ -215,7 +215,7 @@ class _Participant:
         cls = self._spec_class()
         self.spec = self._stage(
             "validate",
-            lambda: cls(
+            lambda: cls.from_settings(
                 self.args.config,
                 barrier=self._barrier_call(),
                 progress=self._on_progress,
@@ -232,7 +232,8 @@ class _Participant:
     def _init_scheduler(self) -> None:
         cls = self._spec_class()
         self.spec = self._stage(
-            "validate", lambda: cls(self.args.config, progress=self._on_progress, journal=self.journal)
+            "validate",
+            lambda: cls.from_settings(self.args.config, progress=self._on_progress, journal=self.journal),
         )
         self.manager = self._stage("get_manager", self.spec.get_manager, detail=self._manager_detail)
 
