@@ -718,8 +718,9 @@ def _cpu_bytes(extra: Mapping[str, Any]) -> int:
 
 
 def _blocks_per_chunk(extra: Mapping[str, Any], gpu_block_size: int) -> int:
-    has_block_size = "block_size" in extra
-    has_bpc = "blocks_per_chunk" in extra
+    # None is absent, as in vLLM's connector.
+    has_block_size = extra.get("block_size") is not None
+    has_bpc = extra.get("blocks_per_chunk") is not None
     if has_block_size and has_bpc:
         raise ConfigError(
             "kv_connector_extra_config.block_size",

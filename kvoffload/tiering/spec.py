@@ -197,11 +197,7 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.num_chunks <= 0:
-            raise ConfigError(
-                "kv_connector_extra_config.cpu_bytes_to_use",
-                _no_chunk_reason(self.settings.cpu_bytes_to_use, self.kv_bytes_per_chunk),
-                fix="give cpu_bytes_to_use at least one chunk (or use CPUOffloadingSpec for an empty cache)",
-            )
+            raise _no_chunk_error(self.settings.cpu_bytes_to_use, self.kv_bytes_per_chunk)
         self.secondary_tier_configs = [
             _with_backpressure(t, self.extra_config) for t in self.settings.secondary_tiers
         ]
@@ -328,10 +324,16 @@ def _with_backpressure(tier_config: Mapping[str, Any], extra_config: Mapping[str
     return resolved
 
 
-def _no_chunk_reason(cpu_bytes_to_use: int, kv_bytes_per_chunk: int) -> str:
+def _no_chunk_error(cpu_bytes_to_use: int, kv_bytes_per_chunk: int) -> ConfigError:
     if kv_bytes_per_chunk <= 0:
-        return "the KV cache has zero bytes per block, so the tiering spec's region would be empty"
-    return (
+        return ConfigError(
+            "worker_kv_bytes_per_block",
+            "is 0, so the tiering spec's region would be empty",
+            fix="use CPUOffloadingSpec for a model without KV cache blocks",
+        )
+    return ConfigError(
+        "kv_connector_extra_config.cpu_bytes_to_use",
         f"{cpu_bytes_to_use} bytes is smaller than one chunk of {kv_bytes_per_chunk} bytes, "
-        "so the tiering spec's region would be empty"
+        "so the tiering spec's region would be empty",
+        fix=f"give cpu_bytes_to_use at least {kv_bytes_per_chunk}",
     )
