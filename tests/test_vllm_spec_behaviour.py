@@ -197,7 +197,8 @@ def test_an_integral_string_or_float_is_read_as_vllm_int_reads_it(
 
 @pytest.mark.parametrize("key", ["store_threshold", "max_tracker_size"])
 def test_a_spec_reads_integral_strings_in_its_extra_config(engine_id: str, key: str) -> None:
-    spec = CPUOffloadingSpec(vllm_config(engine_id, **{key: "3"}))
+    extra: dict[str, Any] = {key: "3"}
+    spec = CPUOffloadingSpec(vllm_config(engine_id, **extra))
     assert getattr(spec.settings, key) == 3
 
 
