@@ -14,9 +14,10 @@ from kvoffload.base import (
     OffloadingEvent,
     OffloadKey,
     PrepareStoreOutput,
+    ReqContext,
     make_offload_key,
 )
-from kvoffload.cpu.common import CPULoadStoreSpec
+from kvoffload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo
 from kvoffload.cpu.manager import CPUOffloadingManager
 from kvoffload.cpu.policies import Eviction, LRUCachePolicy
 from kvoffload.errors import ConfigError, KvOffloadError
@@ -398,3 +399,88 @@ def test_no_chunk_is_ever_shared_and_none_is_lost(ops: list[tuple[str, int]]) ->
         assert len(chunks) + manager.num_free_chunks == 4
         # The count that lets a full pool refuse a store at once is the true one.
         assert manager._num_evictable_cache_chunks == sum(1 for s in held if s is not None and s.ref_cnt == 0)
+
+
+# ---------------------------------------------------------------- requests, reset and stats
+
+
+def test_a_request_that_meets_new_keys_after_it_finished_is_refused() -> None:
+    manager = CPUOffloadingManager(4)
+    ctx = ReqContext(req_id="done")
+    assert manager.prepare_store(keys(0), ctx) is not None
+    manager.on_request_finished(ctx)
+    with pytest.raises(KvOffloadError, match="after on_request_finished"):
+        manager.prepare_store(keys(1), ctx)
+    # Keys it already met are not new: offering them again is harmless.
+    assert manager.prepare_store(keys(0), ctx) is not None
+
+
+def test_a_call_without_a_request_records_no_use() -> None:
+    manager = CPUOffloadingManager(2)
+    stored(manager, 0, 1)
+    manager.prepare_load(keys(0))  # a tier copying the chunk out, say
+    manager.complete_load(keys(0))
+    assert prepared(manager, 2).evicted_keys == keys(0)
+
+
+def test_reset_cache_forgets_every_chunk_and_starts_the_pool_afresh() -> None:
+    manager = CPUOffloadingManager(2)
+    stored(manager, 0)
+    prepared(manager, 1)
+    manager.prepare_load(keys(0))
+    manager.reset_cache()
+    assert manager.lookup(key(0)) is LookupResult.MISS
+    assert manager.lookup(key(1)) is LookupResult.MISS
+    assert manager.num_free_chunks == 2
+    assert chunk_ids(prepared(manager, 2, 3)) == (0, 1)
+
+
+def test_take_stats_reports_the_pool_use_and_drains_the_batch_figures() -> None:
+    manager = CPUOffloadingManager(4, store_threshold=2)
+    prepared(manager, 0, 1)  # first offers: skipped
+    prepared(manager, 0, 1)  # stored, write pending
+    manager.complete_store(keys(0))
+    manager.prepare_load(keys(0))
+    stats = manager.take_stats()
+    assert stats.write_usage == 0.25
+    assert stats.read_usage == 0.25
+    assert stats.usage == 0.5
+    assert stats.allocation_sizes == (2,)
+    assert stats.stores_skipped == 2
+    again = manager.take_stats()
+    assert (again.allocation_sizes, again.stores_skipped) == ((), 0)
+    assert again.usage == 0.5
+
+
+def test_take_stats_without_a_threshold_has_no_skipped_count() -> None:
+    assert CPUOffloadingManager(0).take_stats().stores_skipped is None
+    assert CPUOffloadingManager(0).take_stats().usage == 0.0
+
+
+def test_get_stats_is_none_where_vllm_is_not_installed() -> None:
+    try:
+        import vllm  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vLLM is installed")
+    manager = CPUOffloadingManager(2)
+    prepared(manager, 0)
+    assert manager.get_stats() is None
+    # Nothing was taken: the figures wait for a caller that can publish them.
+    assert manager.take_stats().allocation_sizes == (1,)
+
+
+def test_config_info_publishes_the_info_it_was_given() -> None:
+    info = CPUOffloadingInfo(
+        cpu_num_chunks=4, cpu_blocks_per_chunk=2, cpu_kv_cache_size_bytes=64, cpu_kv_cache_size_tokens=None
+    )
+    assert CPUOffloadingManager(4, info=info).config_info() == [
+        {
+            "cpu_num_chunks": 4,
+            "cpu_blocks_per_chunk": 2,
+            "cpu_kv_cache_size_bytes": 64,
+            "cpu_kv_cache_size_tokens": "None",
+        }
+    ]
+    assert CPUOffloadingManager(4).config_info() == [{}]
