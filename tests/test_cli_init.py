@@ -389,7 +389,7 @@ def test_init_failing_for_a_reason_not_injected_exits_3(
 ) -> None:
     """An out-of-tree secondary tier whose backend is unreachable: a real failure, reported as one."""
     (tmp_path / "kvtest_broken_tier.py").write_text(
-        "from kvoffload.tiering.tiers import ExampleSecondaryTierManager\n"
+        "from kvoffload.tiering.example.manager import ExampleSecondaryTierManager\n"
         "class BrokenTier(ExampleSecondaryTierManager):\n"
         "    def __init__(self, offloading_spec, primary_kv_view, tier_type, **options):\n"
         "        raise RuntimeError('tier backend unreachable')\n"
