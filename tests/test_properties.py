@@ -407,7 +407,7 @@ def test_json_nested_past_the_recursion_limit_is_a_config_error(document: str) -
 @pytest.mark.parametrize("module_path", [".x", "..", ".kvoffload"])
 def test_a_relative_module_path_is_a_config_error_for_policies_and_tiers(module_path: str) -> None:
     from kvoffload.cpu.policies import CachePolicyFactory
-    from kvoffload.tiering.tiers import SecondaryTierFactory
+    from kvoffload.tiering.factory import SecondaryTierFactory
 
     with pytest.raises(ConfigError, match="cannot import"):
         CachePolicyFactory.get_cache_policy_cls("Mine", module_path)
