@@ -49,7 +49,7 @@ from kvoffload.base import (
 from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    import numpy as np
 
     from kvoffload.base import OffloadingSpec
     from kvoffload.tiering.backpressure import BackpressureDetector
@@ -91,14 +91,14 @@ class TieringOffloadingMetrics:
 class TransferJob:
     """Copy ``keys[i]`` from (cascade) or to (promotion) primary chunk ``chunk_ids[i]``.
 
-    ``chunk_ids`` is a numpy integer array when the manager builds the job (vLLM's type);
-    any sequence of ints works for a tier that only iterates it. ``submit_time`` is when
-    the job was made, for latency metrics and back-pressure.
+    ``chunk_ids`` is a numpy integer array (vLLM's type; numpy is not imported to make
+    one here). ``submit_time`` is when the job was made, for latency metrics and
+    back-pressure.
     """
 
     job_id: JobId
     keys: Collection[OffloadKey]
-    chunk_ids: Sequence[int] | Any
+    chunk_ids: np.ndarray
     is_promotion: bool
     req_context: ReqContext
     submit_time: float = field(default_factory=time.monotonic)

@@ -48,8 +48,8 @@ class NotASecondaryTierError(ConfigError, AssertionError):
     """``module_path`` names something that is not a ``SecondaryTierManager`` subclass."""
 
 
-def _where(index: int | None) -> str:
-    return "secondary_tiers" if index is None else f"secondary_tiers[{index}]"
+def _where(index: int) -> str:
+    return f"secondary_tiers[{index}]"
 
 
 def _import_module(module_path: str, key: str) -> Any:
@@ -93,7 +93,7 @@ class SecondaryTierFactory:
 
     @classmethod
     def get_tier_class(
-        cls, tier_config: Mapping[str, Any], *, index: int | None = None
+        cls, tier_config: Mapping[str, Any], *, index: int = 0
     ) -> type[SecondaryTierManager]:
         """The class entry ``index`` of ``secondary_tiers`` names."""
         where = _where(index)
@@ -136,7 +136,7 @@ class SecondaryTierFactory:
         primary_kv_view: memoryview,
         offloading_spec: Any,
         *,
-        index: int | None = None,
+        index: int = 0,
     ) -> SecondaryTierManager:
         """Build entry ``index`` of ``secondary_tiers`` over the primary tier's view."""
         where = _where(index)

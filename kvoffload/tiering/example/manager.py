@@ -67,6 +67,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         self.chunks: dict[OffloadKey, bool] = {}
         self._copies: dict[OffloadKey, bytes] = {}
         self.completed_jobs: list[JobResult] = []
+        self._closed = False
         log.info("ExampleSecondaryTierManager initialized with custom_param=%d", custom_param)
 
     @classmethod
@@ -92,6 +93,9 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         return isinstance(self._primary_kv_view, memoryview)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        if self._closed:  # still reported: every job is, exactly once
+            self.completed_jobs.append(JobResult(job_id=job_metadata.job_id, success=False))
+            return
         copy = self._has_views()
         for key, chunk_id in zip(job_metadata.keys, job_metadata.chunk_ids, strict=True):
             if copy:
@@ -101,7 +105,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         self.completed_jobs.append(JobResult(job_id=job_metadata.job_id, success=True, transfer_time=0.0))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        if any(key not in self.chunks for key in job_metadata.keys):
+        if self._closed or any(key not in self.chunks for key in job_metadata.keys):
             self.completed_jobs.append(JobResult(job_id=job_metadata.job_id, success=False))
             return
         copy = self._has_views()
@@ -123,5 +127,6 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         return None  # every job finished inside submit_*
 
     def shutdown(self) -> None:
+        self._closed = True
         self.chunks.clear()
         self._copies.clear()
