@@ -78,6 +78,13 @@ class ViewOverflowError(RegionError, AssertionError):
     """
 
 
+class ReservedLabelError(KvOffloadError, AssertionError):
+    """A secondary tier declares an info label the tiering manager writes itself.
+
+    An ``AssertionError`` too: vLLM asserts the same rule, and its tests expect that.
+    """
+
+
 class RegionReleasedError(RegionError):
     """A view was asked of a region after ``cleanup()``."""
 
