@@ -41,7 +41,7 @@ from kvoffload.config import Lifetime
 from kvoffload.cpu.gpu_worker import CPUOffloadingWorker
 from kvoffload.cpu.shared_offload_region import SharedOffloadRegion
 from kvoffload.cpu.spec import CPUOffloadingSpec
-from kvoffload.errors import ConfigError, KvOffloadError
+from kvoffload.errors import ConfigError, KvOffloadError, ReservedLabelError
 from kvoffload.tiering.base import TIER_LABEL, SecondaryTierManager, TieringOffloadingMetrics
 from kvoffload.tiering.factory import SecondaryTierFactory
 from kvoffload.tiering.manager import (
@@ -170,9 +170,9 @@ class TieringOffloadingSpec(CPUOffloadingSpec):
         for tier_config, tier_cls in cls._get_secondary_tiers(extra_config):
             tier_keys = tier_cls.config_info_keys(tier_config)
             if TIER_LABEL in tier_keys:
-                raise ConfigError(
-                    "secondary_tiers",
-                    f"{tier_cls.__name__} declares the label {TIER_LABEL!r}, which the tiering manager sets",
+                # The manager writes this label over the tier's value: fail at start-up, not silently.
+                raise ReservedLabelError(
+                    f"{tier_cls.__name__} must not declare the reserved label {TIER_LABEL!r}",
                     fix=f"drop {TIER_LABEL!r} from {tier_cls.__name__}.config_info_keys()",
                 )
             keys.update(dict.fromkeys(tier_keys))
