@@ -152,25 +152,31 @@ def test_pre_faulting_on_threads_keeps_the_bytes_already_written(engine_id: str,
 def test_a_worker_on_4k_pages_faults_only_its_own_slot_of_every_row(engine_id: str, root: Path) -> None:
     with region(engine_id, root, rank=1, populate_threads=2) as worker:
         assert sorted(worker.populate_walk) == worker.slot_ranges()
-        assert resident(worker.path) == worker.total_bytes // 2
+        # Plus the page the probe for MADV_POPULATE_WRITE faults: the mapping's first, as in vLLM.
+        assert resident(worker.path) == worker.total_bytes // 2 + PAGESIZE
 
 
 def test_a_worker_starts_its_walk_at_its_own_fraction_of_the_rows_like_vllm(
     engine_id: str, root: Path
 ) -> None:
-    # Two slots per row: worker 1 starts at row 16 // 2 = 8 (vLLM's rank * rows // slots).
-    with region(engine_id, root, rank=1, populate_threads=1) as worker:
+    # Four files of four rows. Two slots per row: worker 1 starts at row 16 // 2 = 8 (vLLM's
+    # rank * rows // slots), the first row of the third file.
+    files = {"num_segments": 4, "min_segment_bytes": PAGESIZE}
+    with region(engine_id, root, rank=1, populate_threads=1, **files) as worker:
         assert worker.populate_walk[0] == (8 * 2 * PAGESIZE + PAGESIZE, 9 * 2 * PAGESIZE)
     # With two threads each, the four walkers (2 workers x 2 threads) start on rows 0, 4, 8, 12.
-    with region(engine_id, root, rank=1, populate_threads=2) as worker:
+    with region(engine_id, root, rank=1, populate_threads=2, **files) as worker:
         assert worker.populate_walk[0][0] == 4 * 2 * PAGESIZE + PAGESIZE
+    # On one file of 4 KiB pages every worker starts at row 0, as in vLLM.
+    with region(engine_id, root, rank=1, populate_threads=1) as worker:
+        assert worker.populate_walk[0] == (PAGESIZE, 2 * PAGESIZE)
 
 
 def test_a_populate_shard_faults_only_its_share(engine_id: str, root: Path) -> None:
     with region(engine_id, root, rank=0, populate_shard=(1, 4), populate_threads=3) as r:
         quarter = r.total_bytes // 4
         assert r.populate_walk == ((quarter, 2 * quarter),)
-        assert resident(r.path) == quarter
+        assert resident(r.path) == quarter + PAGESIZE  # and the probe's first page
 
 
 # ----------------------------------------------------------------- progress

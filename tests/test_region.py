@@ -17,7 +17,6 @@ from kvoffload.cpu.shared_offload_region import (
     SharedOffloadRegion,
     merge_ranges,
     plan_segments,
-    probe_populate_write,
 )
 from kvoffload.errors import (
     ConfigError,
@@ -72,7 +71,7 @@ def test_cleanup_removes_creator_file_and_is_idempotent(engine_id: str) -> None:
     region.cleanup()
     assert not region.path.exists()
     assert region.closed
-    assert region.fd == -1
+    assert region.fd is None
 
 
 def test_joiner_cleanup_never_unlinks(engine_id: str) -> None:
@@ -221,7 +220,7 @@ def test_joiner_rejects_a_region_unlinked_while_waiting(engine_id: str) -> None:
     timer = threading.Timer(0.2, path.unlink)
     timer.start()
     try:
-        with pytest.raises(CreatorFailedError, match="removed the region"):
+        with pytest.raises(CreatorFailedError, match=r"creator failed.*removed the file"):
             make(engine_id, join_timeout_s=10)
     finally:
         timer.join()
@@ -336,17 +335,27 @@ def test_sparse_without_populate_like_vllm(engine_id: str) -> None:
         assert region.path.stat().st_blocks == 0
 
 
-def test_populate_probe_treats_einval_as_unsupported_and_propagates_others() -> None:
-    def einval(*_: int) -> None:
-        raise OSError(errno.EINVAL, "no")
+def test_populate_probe_treats_einval_as_unsupported_and_propagates_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import mmap
 
-    def eio(*_: int) -> None:
-        raise OSError(errno.EIO, "io")
+    from kvoffload.cpu import shared_offload_region as module
 
-    assert probe_populate_write(lambda *_: None) is True
-    assert probe_populate_write(einval) is False
-    with pytest.raises(OSError, match="io"):
-        probe_populate_write(eio)
+    def fails_with(code: int) -> object:
+        def madvise(*_: object) -> None:
+            raise OSError(code, os.strerror(code))
+
+        return madvise
+
+    with mmap.mmap(-1, PAGESIZE) as mm:
+        assert module._get_populate_write_fn(mm) is module._madvise_populate_write
+        monkeypatch.setattr(module, "_madvise_populate_write", fails_with(errno.EINVAL))
+        assert module._get_populate_write_fn(mm) is module._fallback_populate_write
+        monkeypatch.setattr(module, "_madvise_populate_write", fails_with(errno.EIO))
+        with pytest.raises(OSError, match="Input/output error") as info:
+            module._get_populate_write_fn(mm)
+        assert info.value.errno == errno.EIO
 
 
 # What a SIGKILL at each stage of a lone creator's init leaves in the root: the base file's

@@ -5,10 +5,15 @@ One engine maps one region, ``{root}/vllm_offload_{engine_id}.mmap`` (plus segme
 Rows are chunks; a worker of rank r owns bytes ``[r * cpu_page_size, (r+1) * cpu_page_size)``
 of every row; the scheduler side (``rank=None``) maps the whole region.
 
-What we keep from vLLM, byte for byte: the names, the sizing, creator election by
-``O_CREAT|O_EXCL`` with mode 0600, segment files sized before the base file, joiners
-waiting for the base file's size, MAP_SHARED, pre-faulting with MADV_POPULATE_WRITE
-(EINVAL falls back to a byte-preserving per-page touch), creator-only unlink.
+What we keep from vLLM, byte for byte: the names (the class's constructor, attributes and
+methods, and the module's helpers ``_wait_for_file_size``, ``check_shm_free_space``,
+``_get_populate_write_fn``, ``_madvise_populate_write``, ``_fallback_populate_write`` and
+``_MIN_SEGMENT_BYTES``, looked up at call time so a test can replace them), the sizing, creator
+election by ``O_CREAT|O_EXCL`` with mode 0600, segment files sized before the base file, joiners
+waiting for the base file's size, MAP_SHARED, pre-faulting with MADV_POPULATE_WRITE probed once
+per mapping (EINVAL falls back to a byte-preserving per-page touch), the barrier (the creator
+unlinks the path once every worker has mapped it; a participant that fails still arrives at
+every barrier it owes), creator-only unlink, and host registration undone at cleanup.
 
 What we add, because vLLM leaks (issues #51579, #54002, #57303):
 
@@ -31,13 +36,16 @@ Pre-faulting (``populate``) covers what vLLM's participant covers: the whole reg
 ``populate_shard`` share, or a worker's slot of every row. It runs on ``populate_threads``
 threads (default: the CPUs this process may use, shared among the expected participants,
 capped), each walking one contiguous piece with libc's ``madvise``, which lets go of the GIL
-(CPython's ``mmap.madvise`` does not). A ranked worker starts its walk at its own fraction of
-the rows, as vLLM does, so workers and their threads fault different files and pages at once.
-On a tmpfs with huge pages (``kvoffload.shm.mounts``) the ranges are widened to whole huge
-pages (the kernel allocates nothing smaller there, so a worker's slot means the huge pages
-around it), and on a ``huge=advise`` mount the mapping is ``MADV_HUGEPAGE``'d first. A thread
-that fails stops the others; the first error is raised once every thread has returned, so the
-mapping is never unmapped under a running fault.
+(CPython's ``mmap.madvise`` does not). On a region of several files a ranked worker starts its
+walk at its own fraction of the rows, as vLLM does, so workers (and their threads) fault
+different files at once: the kernel serialises page-cache inserts per file. On one file of
+4 KiB pages every worker starts at row 0, as in vLLM: the slots are disjoint and the file's
+lock is shared anyway. On a tmpfs with huge pages (``kvoffload.shm.mounts``) the ranges are
+widened to whole huge pages (the kernel allocates nothing smaller there, so a worker's slot
+means the huge pages around it; workers start at their own fraction of the rows there too,
+as their widened ranges overlap), and on a ``huge=advise`` mount the mapping is
+``MADV_HUGEPAGE``'d first. A thread that fails stops the others; the first error is raised
+once every thread has returned, so the mapping is never unmapped under a running fault.
 """
 
 from __future__ import annotations
@@ -54,13 +62,14 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvoffload import faults
+from kvoffload.cpu.host_register import host_unregister
 from kvoffload.errors import (
     ConfigError,
     CreatorFailedError,
@@ -69,6 +78,7 @@ from kvoffload.errors import (
     RegionError,
     RegionReleasedError,
     RootError,
+    ViewOverflowError,
 )
 from kvoffload.release import Journal, release_all
 from kvoffload.shm import mounts, names
@@ -81,8 +91,10 @@ log = logging.getLogger(__name__)
 
 PAGESIZE = mmap.PAGESIZE
 DEFAULT_ROOT = Path("/dev/shm")
-#: vLLM's minimum segment size: regions under two of these are always one file.
-MIN_SEGMENT_BYTES = 1 << 30
+#: vLLM's minimum segment size: regions under two of these are always one file. Page-cache
+#: inserts are serialised per file, so a file of less is not worth its own walker.
+_MIN_SEGMENT_BYTES = 1 << 30
+MIN_SEGMENT_BYTES = _MIN_SEGMENT_BYTES
 #: Byte-range locks of the attach ledger live here, far past any data offset.
 LEDGER_OFFSET = 1 << 62
 _MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -117,14 +129,16 @@ def plan_segments(
     num_chunks: int,
     row_stride: int,
     num_segments: int = 1,
-    min_segment_bytes: int = MIN_SEGMENT_BYTES,
+    min_segment_bytes: int | None = None,
 ) -> list[Segment]:
     """Split the region into files exactly as vLLM does.
 
     Count = min(requested, total // min_segment_bytes); rows per file = ceil(num_chunks /
     max(1, count)); one file per run of that many rows. Regions under two minimum
-    segments stay one file.
+    segments stay one file. ``min_segment_bytes`` defaults to ``_MIN_SEGMENT_BYTES`` as it is now.
     """
+    if min_segment_bytes is None:
+        min_segment_bytes = _MIN_SEGMENT_BYTES
     total = num_chunks * row_stride
     count = min(num_segments, total // min_segment_bytes) if min_segment_bytes > 0 else num_segments
     rows_per = max(1, -(-num_chunks // max(1, count)))
@@ -141,40 +155,121 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def probe_populate_write(madvise: Callable[[int, int, int], object]) -> bool:
-    """Does MADV_POPULATE_WRITE work here (Linux >= 5.14)? EINVAL means no; other errors propagate."""
+def _madvise_populate_write(mm: mmap.mmap, offset: int, length: int) -> None:
+    """Fault ``length`` bytes of ``mm`` from ``offset`` in, writable, with MADV_POPULATE_WRITE.
+
+    Through libc rather than ``mm.madvise``: ctypes lets go of the GIL for the call, so the
+    threads of one participant fault in parallel.
+    """
+    _madvise(_address(mm) + offset, length, _MADV_POPULATE_WRITE)
+
+
+def _fallback_populate_write(mm: mmap.mmap, offset: int, length: int) -> None:
+    """Fault pages in by rewriting one byte per page with itself (content preserved).
+
+    A peer may already have written KV data there, so the page keeps its bytes. A plain loop
+    through a memoryview: the page faults cost ~30x the loop (256 MiB on tmpfs: ~260 ms either
+    way, the loop alone 8 ms), so numpy would buy nothing here but a 73 MB dependency on the
+    CLI's install. One byte at a time keeps the read-to-write window per page short.
+    """
+    with memoryview(mm) as view:
+        for at in range(offset, offset + length, PAGESIZE):
+            view[at] = view[at]
+
+
+PopulateWrite = Callable[[mmap.mmap, int, int], object]
+
+
+def _get_populate_write_fn(mm: mmap.mmap) -> PopulateWrite:
+    """How to pre-fault ``mm``: MADV_POPULATE_WRITE where it works (Linux >= 5.14), else the touch.
+
+    Probed on the mapping's first page, once per mapping. EINVAL means the kernel lacks the
+    advice; any other error is real and propagates.
+    """
     try:
-        madvise(_MADV_POPULATE_WRITE, 0, PAGESIZE)
+        _madvise_populate_write(mm, 0, PAGESIZE)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        log.warning("MADV_POPULATE_WRITE is not supported; falling back to per-page writes")
-        return False
-    return True
+        log.warning("MADV_POPULATE_WRITE is not supported; falling back to per-page writes (slower start)")
+        return _fallback_populate_write
+    return _madvise_populate_write
 
 
-# Probed once per process, as vLLM PR #51116 does.
-_populate_supported: bool | None = None
+def _wait_for_file_size(
+    fd: int,
+    expected_size: int,
+    timeout: float = 30.0,
+    *,
+    poll_interval: float = 0.005,
+    path: Path | str | None = None,
+) -> None:
+    """Wait until the file open at ``fd`` has ``expected_size`` bytes (its creator sized it).
 
-
-def _populate_write_supported(mm: mmap.mmap) -> bool:
-    global _populate_supported
-    if _populate_supported is None:
-        _populate_supported = probe_populate_write(mm.madvise)
-    return _populate_supported
-
-
-def _touch_pages(mm: mmap.mmap, start: int, length: int) -> None:
-    """Fault pages in by rewriting one byte per page with itself (content preserved).
-
-    A plain loop through a memoryview: the page faults cost ~30x the loop (256 MiB on tmpfs:
-    ~260 ms either way, the loop alone 8 ms), so numpy bought nothing here but a 73 MB
-    dependency on the CLI's install. One byte at a time keeps the read-to-write window per page
-    as short as numpy's ``|= 0`` did.
+    Fails fast with ``CreatorFailedError`` (a ``RuntimeError``) when the file was unlinked
+    meanwhile (the creator gave up and removed it) or when a kvoffload creator died before
+    sizing it (its owner record is there but nobody holds the liveness lock); a vLLM creator
+    keeps no lock, so only the ``timeout`` (``JoinTimeoutError``, a ``TimeoutError``) tells.
     """
-    with memoryview(mm) as view:
-        for offset in range(start, start + length, PAGESIZE):
-            view[offset] = view[offset]
+    where = path if path is not None else f"/proc/self/fd/{fd}"
+    deadline = time.monotonic() + timeout
+    next_probe = 0.0
+    while True:
+        st = os.fstat(fd)
+        if st.st_size >= expected_size:
+            return
+        if st.st_nlink == 0:
+            raise CreatorFailedError(
+                where,
+                "the region's creator failed during initialization: it removed the file before sizing it",
+            )
+        now = time.monotonic()
+        if now >= next_probe:
+            next_probe = now + 0.05
+            _fail_if_creator_died(fd, where)
+        if now >= deadline:
+            raise JoinTimeoutError(
+                where,
+                f"timed out after {timeout:g}s waiting for the region to reach {expected_size} bytes "
+                f"(it has {st.st_size})",
+                fix="check that the creating process is alive; `shmctl scan` shows the file's holders",
+            )
+        time.sleep(poll_interval)
+
+
+def _fail_if_creator_died(fd: int, where: Path | str) -> None:
+    """A kvoffload creator holds LOCK_SH from its first instant; none held means it died."""
+    record = read_owner(fd)
+    if record is None:
+        return  # a vLLM creator keeps no lock: only the timeout can tell
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    raise CreatorFailedError(
+        where,
+        f"the region's creator failed: it (pid {record.pid}) died before sizing the region",
+        fix=f"`shmctl reap --engine {record.engine_id}` removes the orphan; then start again",
+    )
+
+
+def check_shm_free_space(
+    required_bytes: int,
+    shm_path: Path | str = DEFAULT_ROOT,
+    *,
+    allocation_name: str = "the CPU KV offload region",
+) -> None:
+    """Raise ``InsufficientSpaceError`` if the filesystem of ``shm_path`` has less free than needed.
+
+    ``shm_path`` is any path on the shm mount; the region passes its own file, so the check
+    is of the filesystem the file is really on (a bind mount or a per-pod emptyDir included).
+    """
+    vfs = os.statvfs(shm_path)
+    free = vfs.f_bavail * vfs.f_frsize
+    if required_bytes > free:
+        log.info("Not enough space for %s: %d bytes needed, %d free", allocation_name, required_bytes, free)
+        raise InsufficientSpaceError(shm_path, required_bytes, free)
 
 
 def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -392,6 +487,10 @@ class SharedOffloadRegion:
     ``participant``/``participants`` enable the attach ledger: this is participant
     ``participant`` of ``participants`` expected; with ``lifetime="kvoffload"`` the path is
     unlinked once all of them have attached.
+
+    vLLM's attributes are here under vLLM's names (``mmap_path``, ``mmap_obj``, ``fd``,
+    ``total_size_bytes``, ``_row_stride``, ``_segments``, ``_creator``, ``_base``, ``is_pinned``,
+    ``pinned_addresses``), since vLLM's worker code and tests read them.
     """
 
     BLOCK_SIZE_ALIGNMENT = PAGESIZE
@@ -414,7 +513,7 @@ class SharedOffloadRegion:
         lifetime: Lifetime = "kvoffload",
         join_timeout_s: float = 30.0,
         poll_interval_s: float = 0.005,
-        min_segment_bytes: int = MIN_SEGMENT_BYTES,
+        min_segment_bytes: int | None = None,
         populate: bool | Literal["madvise", "touch"] = True,
         populate_threads: int | None = None,
         reserve: bool | None = None,
@@ -430,9 +529,10 @@ class SharedOffloadRegion:
             raise ConfigError("lifetime", f"{lifetime!r} is neither 'kvoffload' nor 'vllm'")
         self.num_chunks = num_chunks
         self.rank = rank
-        self.row_stride = kv_bytes_per_chunk
+        self.page_size = PAGESIZE
+        self._row_stride = kv_bytes_per_chunk
         self.cpu_page_size = cpu_page_size
-        self.total_bytes = num_chunks * kv_bytes_per_chunk
+        self.total_size_bytes = num_chunks * kv_bytes_per_chunk
         self.root = Path(root)
         self.lifetime: Lifetime = lifetime
         self.participant = participant
@@ -441,6 +541,10 @@ class SharedOffloadRegion:
             engine_id, num_chunks, kv_bytes_per_chunk, num_segments, min_segment_bytes
         )
         self.path = self.root / self.segments[0].name
+        self.mmap_path = str(self.path)
+        #: (path, offset, length) of every file, as vLLM lists them.
+        self._segments = [(str(self.root / seg.name), seg.offset, seg.length) for seg in self.segments]
+        #: Did this participant create the files? (``_creator``: does it still own their names?)
         self.creator = False
         self.unlinked = False
         self.populated_with: str | None = None
@@ -460,8 +564,11 @@ class SharedOffloadRegion:
         self._fd = -1
         self._mm: mmap.mmap | None = None
         self._identities: dict[str, tuple[int, int]] = {}  # name -> (st_dev, st_ino) we created
-        self._base: torch.Tensor | None = None
+        self._base_tensor: torch.Tensor | None = None
         self._views: list[Any] = []
+        #: Host registrations (``cudaHostRegister``) that cleanup undoes, last first.
+        self.is_pinned = False
+        self.pinned_addresses: list[int] = []
         self._worker_offset = 0 if rank is None else rank * cpu_page_size
         self._canonical_offset = 0
         self._released = False
@@ -571,7 +678,9 @@ class SharedOffloadRegion:
             write_owner(self._fd, OwnerRecord.for_current_process(self.engine_id))
             self._size_as_creator(memory_check)
         else:
-            self._wait_for_size(base.length, join_timeout_s, poll_interval_s)
+            _wait_for_file_size(
+                self._fd, base.length, join_timeout_s, poll_interval=poll_interval_s, path=self.path
+            )
             fcntl.flock(self._fd, fcntl.LOCK_SH)
             if os.fstat(self._fd).st_nlink == 0:
                 raise CreatorFailedError(self.path, "was removed while this participant joined")
@@ -594,10 +703,11 @@ class SharedOffloadRegion:
         faults.point("region.space")
         if memory_check is not None:
             memory_check(self.total_bytes)
+        check_shm_free_space(
+            self.total_bytes, self.path, allocation_name=f"CPU KV offload shared region in {self.root}"
+        )
         vfs = os.fstatvfs(self._fd)
         free = vfs.f_bavail * vfs.f_frsize
-        if free < self.total_bytes:
-            raise InsufficientSpaceError(self.path, self.total_bytes, free)
         faults.point("region.truncate")
         # Joiners wait for the base file, so it is sized last: once it has its size,
         # every segment file exists with its own.
@@ -631,47 +741,6 @@ class SharedOffloadRegion:
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(fd, length)
-
-    def _wait_for_size(self, expected: int, timeout_s: float, poll_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        next_probe = 0.0
-        while True:
-            st = os.fstat(self._fd)
-            if st.st_nlink == 0:
-                raise CreatorFailedError(
-                    self.path,
-                    "the creator removed the region before sizing it (it failed during initialization)",
-                )
-            if st.st_size >= expected:
-                return
-            now = time.monotonic()
-            if now >= next_probe:
-                next_probe = now + 0.05
-                self._fail_if_creator_died()
-            if now >= deadline:
-                raise JoinTimeoutError(
-                    self.path,
-                    f"timed out after {timeout_s:g}s waiting for the region to reach {expected} bytes "
-                    f"(it has {st.st_size})",
-                    fix="check that the creating process is alive; `shmctl scan` shows the file's holders",
-                )
-            time.sleep(poll_s)
-
-    def _fail_if_creator_died(self) -> None:
-        """A kvoffload creator holds LOCK_SH from its first instant; none held means it died."""
-        record = read_owner(self._fd)
-        if record is None:
-            return  # a vLLM creator keeps no lock: only the timeout can tell
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        raise CreatorFailedError(
-            self.path,
-            f"the creator (pid {record.pid}) died before sizing the region",
-            fix=f"`shmctl reap --engine {self.engine_id}` removes the orphan; then start again",
-        )
 
     # ----------------------------------------------------------------- map/attach
 
@@ -767,18 +836,35 @@ class SharedOffloadRegion:
 
     # ----------------------------------------------------------------- populate
 
-    def slot_ranges(self) -> list[tuple[int, int]]:
-        """Page-aligned (start, end) byte ranges this worker's slots cover, merged."""
+    def _first_walk_row(self, walkers: int = 1) -> int:
+        """The row worker ``rank``'s walk starts at: its own fraction of the rows, as in vLLM.
+
+        ``walkers`` threads per worker cut the walk in as many pieces, so the fraction is of
+        workers times threads: every thread of every worker starts somewhere else.
+        """
         assert self.rank is not None
+        slots = max(1, self._row_stride // self.cpu_page_size)
+        return self.rank * self.num_chunks // (slots * max(1, walkers))
+
+    def iter_worker_slot_ranges(self) -> Iterator[tuple[int, int]]:
+        """This worker's slot of every row as page-aligned ``(offset, length)``, in walk order.
+
+        On a region of several files the walk starts at the worker's own fraction of the rows
+        and wraps around (vLLM's order), so workers start on different files.
+        """
+        if self.rank is None:
+            raise RegionError(self.mmap_path, "the scheduler-side region has no worker slot")
+        first = self._first_walk_row() if len(self._segments) > 1 else 0
         lo = self.rank * self.cpu_page_size
-        hi = lo + self.cpu_page_size
-        return merge_ranges(
-            (
-                row * self.row_stride + lo // PAGESIZE * PAGESIZE,
-                row * self.row_stride + _round_up(hi, PAGESIZE),
-            )
-            for row in range(self.num_chunks)
-        )
+        for i in range(self.num_chunks):
+            row = (first + i) % self.num_chunks
+            start = row * self._row_stride + lo
+            aligned = start - start % self.page_size
+            yield aligned, _round_up(start + self.cpu_page_size, self.page_size) - aligned
+
+    def slot_ranges(self) -> list[tuple[int, int]]:
+        """Page-aligned (start, end) byte ranges this worker's slots cover, sorted and merged."""
+        return merge_ranges(sorted((at, at + length) for at, length in self.iter_worker_slot_ranges()))
 
     def _plan_populate(
         self, shard: tuple[int, int] | None, threads: int | None, populate: bool | str
@@ -797,6 +883,7 @@ class SharedOffloadRegion:
             # 2 MiB around it anyway, so walk those, once each, instead of one call per row.
             self._granule = mounts.huge_page_size()
             ranges = widen_to_huge_pages(ranges, self.segments, self._granule)
+        ranges = [(start, end) for start, end in ranges if end > start]
         todo = sum(end - start for start, end in ranges)
         if populate == "touch":
             count = 1  # the per-page touch holds the GIL: threads would only take turns
@@ -806,11 +893,10 @@ class SharedOffloadRegion:
             count = default_populate_threads(todo, self.participants)
         self.populate_threads = count
         walk = ranges
-        if shard is None and self.rank is not None:
-            # vLLM starts worker r's walk at row r * rows / slots, so workers fault different
-            # files (and here, pages) at once; with threads, each thread of each worker its own.
-            slots = max(1, self.row_stride // self.cpu_page_size)
-            first_row = self.rank * self.num_chunks // (slots * count)
+        if shard is None and self.rank is not None and (len(self.segments) > 1 or self.huge_pages != "never"):
+            # Start on other files than the other workers (page-cache inserts are serialised per
+            # file); on huge pages, also on other huge pages: widened slots of workers overlap.
+            first_row = self._first_walk_row(count)
             walk = rotate(ranges, first_row * self.row_stride // self._granule * self._granule)
         self.populate_walk = tuple(walk)
 
@@ -840,37 +926,40 @@ class SharedOffloadRegion:
                 _madvise(_address(self._mm), self.total_bytes, _MADV_HUGEPAGE)
             except OSError as e:
                 log.info("MADV_HUGEPAGE on %s refused (%s); pre-faulting 4 KiB pages", self.path, e)
-        use_madvise = _populate_write_supported(self._mm) if method is None else method == "madvise"
-        self.populated_with = "madvise" if use_madvise else "touch"
-        mm = self._mm
-        if use_madvise:
-            base = _address(mm)
-            pieces = split_walk(self.populate_walk, self.populate_threads, self._granule)
-
-            def fault(offset: int, length: int) -> None:
-                try:
-                    _madvise(base + offset, length, _MADV_POPULATE_WRITE)
-                except OSError as e:
-                    raise OSError(
-                        e.errno,
-                        f"{e.strerror} (MADV_POPULATE_WRITE of bytes {offset}..{offset + length})",
-                        str(self.path),
-                    ) from None
-
-        else:
-            pieces = [list(self.populate_walk)]
-            self.populate_threads = 1  # the per-page touch holds the GIL: threads would take turns
-
-            def fault(offset: int, length: int) -> None:
-                _touch_pages(mm, offset, length)
-
         try:
-            prefault(pieces, fault, progress)
+            self._populate_with(progress, method)
         except OSError as e:
             space = self._space_error(e)
             if space is None:
                 raise
             raise space from e
+
+    def _populate_with(self, progress: Progress | None, method: str | None) -> None:
+        assert self._mm is not None
+        mm = self._mm
+        # Module globals, looked up now: a caller (or vLLM's tests) may have replaced them.
+        if method is None:
+            write = _get_populate_write_fn(mm)
+        else:
+            write = _madvise_populate_write if method == "madvise" else _fallback_populate_write
+        touch = write is _fallback_populate_write
+        self.populated_with = "touch" if touch else "madvise"
+        if touch:
+            pieces = [list(self.populate_walk)]
+            self.populate_threads = 1  # the per-page touch holds the GIL: threads would take turns
+        else:
+            pieces = split_walk(self.populate_walk, self.populate_threads, self._granule)
+        how = "per-page touch" if touch else "MADV_POPULATE_WRITE"
+
+        def fault(offset: int, length: int) -> None:
+            try:
+                write(mm, offset, length)
+            except OSError as e:
+                raise OSError(
+                    e.errno, f"{e.strerror} ({how} of bytes {offset}..{offset + length})", str(self.path)
+                ) from None
+
+        prefault(pieces, fault, progress)
 
     def _space_error(self, error: OSError) -> InsufficientSpaceError | None:
         """The space error a fault really is when the root filled up (vLLM #54002's EFAULT)."""
@@ -893,15 +982,29 @@ class SharedOffloadRegion:
 
     @property
     def base_tensor(self) -> torch.Tensor:
-        if self._released or self._mm is None:
+        base = self._base
+        if base is None:
             raise RegionReleasedError(self.path, "Shared offload region has been released.")
-        if self._base is None:
+        return base
+
+    @property
+    def _base(self) -> torch.Tensor | None:
+        """The whole mapping as one int8 tensor (vLLM's attribute); None once released.
+
+        Made on first use, so a region that moves no KV data (the CLI, a scan's probe) never
+        imports torch.
+        """
+        if self._base_tensor is None and not self._released and self._mm is not None:
             import torch
 
             # Through a memoryview, so the mapping stays exported (mmap.close() refuses) while any
             # tensor view lives: torch.frombuffer on the mmap itself takes no export.
-            self._base = torch.frombuffer(memoryview(self._mm), dtype=torch.int8)
-        return self._base
+            self._base_tensor = torch.frombuffer(memoryview(self._mm), dtype=torch.int8)
+        return self._base_tensor
+
+    @_base.setter
+    def _base(self, tensor: torch.Tensor | None) -> None:
+        self._base_tensor = tensor
 
     def create_next_worker_view(self, tensor_page_size: int) -> torch.Tensor:
         """The next ``(num_chunks, tensor_page_size)`` slice of this worker's slot in every row."""
@@ -911,7 +1014,7 @@ class SharedOffloadRegion:
             raise RegionError(self.path, "the scheduler-side region has no worker slot")
         end = self.rank * self.cpu_page_size + self.cpu_page_size
         if self._worker_offset + tensor_page_size > end:
-            raise RegionError(
+            raise ViewOverflowError(
                 self.path,
                 f"Worker offset {self._worker_offset} + {tensor_page_size} exceeds worker area end {end}",
             )
@@ -927,7 +1030,11 @@ class SharedOffloadRegion:
         import torch
 
         if self._canonical_offset + tensor_page_size > self.row_stride:
-            raise RegionError(self.path, f"canonical offset exceeds the row stride {self.row_stride}")
+            raise ViewOverflowError(
+                self.path,
+                f"canonical offset {self._canonical_offset} + {tensor_page_size} exceeds the row stride "
+                f"{self.row_stride}",
+            )
         view = torch.as_strided(
             self.base_tensor,
             (self.num_chunks, tensor_page_size),
@@ -953,8 +1060,27 @@ class SharedOffloadRegion:
         return self._released
 
     @property
-    def fd(self) -> int:
-        return self._fd
+    def fd(self) -> int | None:
+        """The base file's descriptor; None once cleanup closed it."""
+        return self._fd if self._fd >= 0 else None
+
+    @property
+    def mmap_obj(self) -> mmap.mmap | None:
+        """The mapping; None once unmapped (cleanup keeps it while buffers are still exported)."""
+        return self._mm
+
+    @property
+    def _creator(self) -> bool:
+        """Does this participant still own the files' names (vLLM's flag)? False once unlinked."""
+        return self.creator and not self.unlinked
+
+    @property
+    def row_stride(self) -> int:
+        return self._row_stride
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_size_bytes
 
     @property
     def identity(self) -> tuple[int, int] | None:
@@ -973,7 +1099,10 @@ class SharedOffloadRegion:
             return
         self._released = True
         name = self.path.name
-        steps: list[tuple[str, Callable[[], object]]] = [
+        steps: list[tuple[str, Callable[[], object]]] = []
+        if self.is_pinned:
+            steps.append((f"unregister pinned host memory of {name}", self._unpin))
+        steps += [
             (f"unmap {name}", self._unmap_reporting_faults),
             (f"close fd of {name}", self._close_fd),
         ]
@@ -981,6 +1110,28 @@ class SharedOffloadRegion:
             steps.append((f"unlink {name} (creator)", self._unlink_created))
         steps.append((f"close root fd of {name}", self._close_dir_fd))
         release_all(steps, journal=self.journal)
+
+    def _unpin(self) -> None:
+        """Undo every host registration, last first, before the memory can be unmapped."""
+        if not self.is_pinned:
+            return
+        addresses = list(self.pinned_addresses) or [self._base_address()]
+        self.pinned_addresses.clear()
+        self.is_pinned = False
+        failures: list[BaseException] = []
+        for address in reversed(addresses):
+            try:
+                host_unregister(address)
+            except Exception as e:  # every registration is undone, whichever fails
+                log.warning("host_unregister(%#x) of %s failed: %s", address, self.path, e)
+                failures.append(e)
+        if failures:
+            raise failures[0]
+
+    def _base_address(self) -> int:
+        if self._base_tensor is not None:
+            return int(self._base_tensor.data_ptr())
+        return _address(self._mm) if self._mm is not None else 0
 
     def _unmap_reporting_faults(self) -> None:
         # Fault point ``cleanup.region``: the step reports a failure, the unmap still happens.
