@@ -155,6 +155,15 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         self._mmap_region: KVMemoryRegion | None = mmap_region
         self._primary_shut_down = False
 
+    # vLLM's names for the pool's state, which code written against its primary tier reads.
+    @property
+    def _num_allocated_chunks(self) -> int:
+        return self._next_fresh_chunk
+
+    @property
+    def _free_list(self) -> list[int]:
+        return self._free_chunks
+
     def get_kv_memoryview(self) -> memoryview:
         """The ``(num_chunks, row_stride)`` view of the region; secondary tiers use row ``c``."""
         if self._kv_memoryview is None:
