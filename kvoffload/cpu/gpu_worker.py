@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import pairwise
@@ -57,6 +57,7 @@ from kvoffload.base import (
     TransferResult,
 )
 from kvoffload.cpu.common import CPULoadStoreSpec
+from kvoffload.cpu.host_register import host_register, host_unregister
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.release import release_all
 
@@ -65,7 +66,57 @@ if TYPE_CHECKING:
     import torch
     from numpy.typing import NDArray
 
+    from kvoffload.cpu.shared_offload_region import SharedOffloadRegion
+
 log = logging.getLogger(__name__)
+
+#: The largest single host registration: drivers limit (and slow down on) huge ones.
+MAX_HOST_REGISTER_CHUNK_BYTES = 64 << 30
+#: Registering only this worker's slots must leave out at least this many bytes per row to be
+#: worth one registration call per row instead of a few for the whole region.
+MIN_HOST_REGISTER_SAVED_BYTES = 3 << 20
+
+
+def pin_mmap_region(region: SharedOffloadRegion, worker_slot_only: bool = False) -> None:
+    """Register the region (vLLM's ``pin_mmap_region``) for DMA: all of it, or none.
+
+    Whole rows in chunks of at most ``MAX_HOST_REGISTER_CHUNK_BYTES`` (a chunk ends on a row,
+    so no block copy straddles two registrations), or, with ``worker_slot_only`` and enough
+    saved per row, this worker's slot of every row. A refused registration undoes the ones
+    before it, last first, and leaves the region pageable; on success the region records the
+    addresses, so its cleanup unregisters them before it unmaps.
+    """
+    base = region._base
+    if base is None:
+        return
+    base_ptr = base.data_ptr()
+    total, stride = region.total_size_bytes, region._row_stride
+    chunk = max(MAX_HOST_REGISTER_CHUNK_BYTES // stride, 1) * stride
+    ranges: Iterator[tuple[int, int]] = (
+        (offset, min(chunk, total - offset)) for offset in range(0, total, chunk)
+    )
+    saved_per_row = stride - region.cpu_page_size
+    if worker_slot_only and region.rank is not None:
+        if saved_per_row >= max(region.page_size, MIN_HOST_REGISTER_SAVED_BYTES):
+            ranges = region.iter_worker_slot_ranges()
+        else:
+            log.info("Registering the whole region: its own slots would save %d bytes a row", saved_per_row)
+    registered: list[int] = []
+    for offset, size in ranges:
+        address = base_ptr + offset
+        if not host_register(address, size):
+            log.warning(
+                "host_register refused %d bytes at offset %d of %d; the region stays pageable",
+                size,
+                offset,
+                total,
+            )
+            for done in reversed(registered):
+                host_unregister(done)
+            return
+        registered.append(address)
+    region.pinned_addresses.extend(registered)
+    region.is_pinned = True
 
 
 class WorkerRegion(Protocol):
