@@ -13,7 +13,7 @@ UNITDIR ?= /etc/systemd/system
 SHMCTL  ?= $(shell command -v shmctl)
 SHELL_SCRIPTS := scripts/*.sh deploy/docker/entrypoint.sh .ci/run
 
-.PHONY: venv test check lint typecheck pytest demo bench bench-quick completions man install-units clean
+.PHONY: venv test check lint typecheck pytest demo bench bench-quick vllm-compat completions man install-units clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,13 +25,14 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lint: venv
-	$(BIN)/ruff check kvoffload shmctl tests bench scripts
-	$(BIN)/ruff format --check kvoffload shmctl tests bench scripts
+	$(BIN)/ruff check kvoffload shmctl tests bench scripts compat
+	$(BIN)/ruff format --check kvoffload shmctl tests bench scripts compat
 	$(BIN)/shellcheck $(SHELL_SCRIPTS)
 
 typecheck: venv
 	$(BIN)/mypy
 	$(BIN)/mypy --strict scripts/gen_manpage.py
+	$(BIN)/mypy --strict compat/vllm_compat.py compat/adapter/kvoffload_vllm_adapter.py
 
 check: lint typecheck
 
@@ -52,6 +53,12 @@ bench: venv
 
 bench-quick:
 	$(MAKE) bench QUICK=1
+
+# vLLM 0.33's own kv_offload tests, run against vLLM and against kvoffload (compat/vllm_compat.py):
+# downloads the sdist through pip's index configuration and builds a venv of its own under
+# build/vllm-compat. Not part of `make test`: it needs the network and about 3 minutes.
+vllm-compat: venv
+	$(BIN)/python compat/vllm_compat.py --work build/vllm-compat
 
 completions: venv
 	for sh in bash zsh fish; do \
