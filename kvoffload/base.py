@@ -17,9 +17,10 @@ from __future__ import annotations
 import enum
 import logging
 import operator
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field, fields
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NewType, Self, TypeVar
@@ -112,6 +113,16 @@ class CacheHitSource(enum.StrEnum):
     P2P = "p2p"
     DISK = "disk"
     EXTERNAL_UNSPECIFIED = "external_unspecified"
+
+
+# Inside a vLLM process the members must be vLLM's own: its scheduler and tests compare hit
+# sources by identity. vLLM's enum is taken only when vLLM is already loaded; importing vLLM
+# for it would load torch on every CLI start.
+if "vllm" in sys.modules:
+    with suppress(ImportError):
+        from vllm.v1.metrics.cache_hit_source import (  # type: ignore[import-not-found, no-redef, unused-ignore]
+            CacheHitSource,
+        )
 
 
 class OffloadPolicy(enum.Enum):
