@@ -314,3 +314,53 @@ def test_vllm_attribute_names_describe_the_region(engine_id: str, root: Path) ->
         ]
         assert region.fd is not None
         assert os.fstat(region.fd).st_size == region.total_size_bytes
+
+
+# ----------------------------------------------------------------- pinning
+
+
+def test_pinning_registers_whole_rows_in_chunks_and_cleanup_undoes_them(
+    engine_id: str, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvoffload.cpu import gpu_worker
+
+    registered: list[tuple[int, int]] = []
+    undone: list[int] = []
+    monkeypatch.setattr(gpu_worker, "MAX_HOST_REGISTER_CHUNK_BYTES", 5 * PAGESIZE)
+
+    def register(ptr: int, size: int) -> bool:
+        registered.append((ptr, size))
+        return True
+
+    monkeypatch.setattr(gpu_worker, "host_register", register)
+    monkeypatch.setattr(module, "host_unregister", undone.append)
+    region = worker(engine_id, root, 0, rows=5)  # rows of 2 pages: chunks of 2 rows, then 1
+    assert region._base is not None
+    base = region._base.data_ptr()
+    gpu_worker.pin_mmap_region(region)
+    assert registered == [
+        (base, 4 * PAGESIZE),
+        (base + 4 * PAGESIZE, 4 * PAGESIZE),
+        (base + 8 * PAGESIZE, 2 * PAGESIZE),
+    ]
+    assert region.is_pinned
+    region.cleanup()
+    assert undone == [base + 8 * PAGESIZE, base + 4 * PAGESIZE, base]
+
+
+def test_a_refused_registration_leaves_the_region_wholly_pageable(
+    engine_id: str, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvoffload.cpu import gpu_worker
+
+    answers = iter([True, True, False])
+    undone: list[int] = []
+    monkeypatch.setattr(gpu_worker, "MIN_HOST_REGISTER_SAVED_BYTES", PAGESIZE)
+    monkeypatch.setattr(gpu_worker, "host_register", lambda ptr, size: next(answers))
+    monkeypatch.setattr(gpu_worker, "host_unregister", undone.append)
+    with worker(engine_id, root, 1, workers=4, rows=3) as region:
+        assert region._base is not None
+        base = region._base.data_ptr()
+        gpu_worker.pin_mmap_region(region, worker_slot_only=True)  # one slot of every row
+        assert (region.is_pinned, region.pinned_addresses) == (False, [])
+        assert undone == [base + 5 * PAGESIZE, base + PAGESIZE]
