@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 from kvoffload import faults
 from kvoffload.base import (
@@ -46,9 +46,6 @@ from kvoffload.cpu.manager import CPUOffloadingManager
 from kvoffload.cpu.shared_offload_region import DEFAULT_ROOT, Progress, SharedOffloadRegion
 from kvoffload.platforms import current_platform
 from kvoffload.release import Journal
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +241,8 @@ class CPUOffloadingSpec(OffloadingSpec):
     def _new_worker(self, **kwargs: Any) -> CPUOffloadingWorker:
         return CPUOffloadingWorker(**kwargs)
 
-    def _check_worker_caches(self, kv_caches: Sequence[Any] | Any) -> None:
-        """A check of the caches before the worker is built over the region (tiering: canonical refs)."""
+    def _check_worker_caches(self, kv_caches: Any) -> None:
+        """Refuse caches no worker may be built over; the region is cleaned (tiering: canonical refs)."""
 
 
 def _store_threshold(extra_config: Mapping[str, Any]) -> int:
