@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvoffload.base import (
@@ -134,7 +135,13 @@ def make_tier(tmp_path: Path, primary: memoryview) -> Iterator[Maker]:
 
 
 def job(job_id: int, keys: list[OffloadKey], chunks: list[int], *, promotion: bool = False) -> TransferJob:
-    return TransferJob(job_id=job_id, keys=keys, chunk_ids=chunks, is_promotion=promotion, req_context=CTX)
+    return TransferJob(
+        job_id=job_id,
+        keys=keys,
+        chunk_ids=np.array(chunks, dtype=np.int64),
+        is_promotion=promotion,
+        req_context=CTX,
+    )
 
 
 def finish(tier: FileSystemTierManager) -> list[JobResult]:
@@ -465,3 +472,11 @@ def test_every_job_is_reported_once_even_when_shutdown_cancels_it(
     assert all(not t.is_alive() for t in tier._pool._threads)
     tier.submit_load(job(99, [key(1)], [0], promotion=True))
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(99, False)]
+
+
+def test_a_tier_refused_for_its_thread_counts_leaves_nothing_on_disk(
+    tmp_path: Path, make_tier: Maker
+) -> None:
+    with pytest.raises(ConfigError, match="n_read_threads"):
+        make_tier(n_read_threads=0, n_write_threads=0)
+    assert list(tmp_path.iterdir()) == []

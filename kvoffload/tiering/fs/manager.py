@@ -144,34 +144,35 @@ class FileSystemTierManager(SecondaryTierManager):
         self._load_progress: dict[JobId, int] = {}
         self._closed = False
 
-        self.file_mapper = FileMapper.from_offloading_spec(
-            root_dir=root_dir,
-            offloading_spec=offloading_spec,
-            blocks_per_file=offloading_spec.blocks_per_chunk,
-            parallel_agnostic=True,
-        )
-        namespace = os.path.dirname(self.file_mapper.get_config_file_path())
-        self._write_run_config()
-        self._use_o_direct = probe_o_direct(namespace)
-        if self._use_o_direct and not _view_is_aligned(primary_kv_view, self._block_size):
-            log.warning(
-                "secondary tier %r: the primary view is not page-aligned (block size %d); using buffered I/O",
-                tier_type,
-                self._block_size,
-            )
-            self._use_o_direct = False
-        elif not self._use_o_direct:
-            log.warning(
-                "secondary tier %r: %s does not take O_DIRECT; using buffered I/O", tier_type, root_dir
-            )
-
         with ExitStack() as undo:
-            self._pool = DualQueueThreadPool(
-                n_read_threads, n_write_threads, thread_name_prefix="kvoffload_fs"
-            )
+            # The pool first: it checks the thread counts before anything lands on disk.
+            self._pool = DualQueueThreadPool(n_read_threads, n_write_threads, "kvoffload_fs")
             undo.callback(self._pool.shutdown)
+            self.file_mapper = FileMapper.from_offloading_spec(
+                root_dir=root_dir,
+                offloading_spec=offloading_spec,
+                blocks_per_file=offloading_spec.blocks_per_chunk,
+                parallel_agnostic=True,
+            )
+            self._write_run_config()
+            self._use_o_direct = self._choose_o_direct(root_dir)
             self._lookup_manager = FsAsyncLookupManager(tier=self, tier_type=tier_type)
             undo.pop_all()
+
+    def _choose_o_direct(self, root_dir: str) -> bool:
+        if not probe_o_direct(os.path.dirname(self.file_mapper.get_config_file_path())):
+            log.warning(
+                "secondary tier %r: %s takes no O_DIRECT; using buffered I/O", self.tier_type, root_dir
+            )
+            return False
+        if not _view_is_aligned(self._primary_kv_view, self._block_size):
+            log.warning(
+                "secondary tier %r: the primary view is not page-aligned (block size %d); using buffered I/O",
+                self.tier_type,
+                self._block_size,
+            )
+            return False
+        return True
 
     def _write_run_config(self) -> None:
         """Write ``config.json`` once per namespace, atomically (engines may start together)."""
