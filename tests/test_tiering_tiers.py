@@ -203,11 +203,26 @@ def test_chunk_outside_the_primary_is_a_config_error(primary: memoryview) -> Non
     assert info.value.key == "chunk_ids"
 
 
-@pytest.mark.parametrize("view", [memoryview(bytearray(ROW)), memoryview(bytearray(8)).cast("i", (1, 2))])
-def test_primary_view_must_be_a_two_dimensional_byte_view(view: memoryview) -> None:
+@pytest.mark.parametrize(
+    "view",
+    [
+        memoryview(bytearray(ROW)),
+        memoryview(np.zeros((NUM_CHUNKS, 2 * ROW), dtype=np.int8)[:, ::2]),  # type: ignore[arg-type]
+    ],
+    ids=["one-dimensional", "strided"],
+)
+def test_primary_view_must_be_a_contiguous_two_dimensional_view(view: memoryview) -> None:
     with pytest.raises(ConfigError) as info:
         example(view)
     assert info.value.key == "primary_kv_view"
+
+
+def test_primary_view_of_any_item_type_has_one_chunk_per_row() -> None:
+    view = memoryview(np.zeros((NUM_CHUNKS, ROW // 4), dtype=np.float32))  # type: ignore[arg-type]
+    tier = example(view)
+    assert (tier.num_chunks, tier.block_size_bytes) == (NUM_CHUNKS, ROW)
+    with tier.chunk_buffer(1) as chunk:
+        assert len(chunk) == ROW
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["int8", "uint8"])

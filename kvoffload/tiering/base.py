@@ -1,13 +1,12 @@
 """Secondary tiers: where the tiering manager copies CPU chunks to, and promotes them from.
 
 This is vLLM 0.33's secondary-tier contract, so a tier written for vLLM runs here
-unchanged. A tier sees the primary (CPU) tier's region as one ``(num_chunks,
-row_stride)`` memoryview of int8 (vLLM's layout; an unsigned-byte view is accepted
-too). A ``TransferJob`` names keys and, for each, the primary chunk to copy from
-(``submit_store``, a cascade) or into (``submit_load``, a promotion). The tiering
-manager keeps those chunks pinned (cascade) or write-pending (promotion) until the tier
-reports the job's ``JobResult``, so a tier may copy on its own threads and finish
-whenever it likes.
+unchanged. A tier sees the primary (CPU) tier's region as one ``(num_chunks, row)``
+memoryview, one chunk per row (int8 in vLLM; any item type works). A ``TransferJob``
+names keys and, for each, the primary chunk to copy from (``submit_store``, a cascade)
+or into (``submit_load``, a promotion). The tiering manager keeps those chunks pinned
+(cascade) or write-pending (promotion) until the tier reports the job's ``JobResult``,
+so a tier may copy on its own threads and finish whenever it likes.
 
 What a tier promises:
 
@@ -58,9 +57,6 @@ JobId = int
 
 #: The label naming a tier on every tiering metric and info series.
 TIER_LABEL = "tier"
-
-# Byte-sized formats a primary view may have: vLLM's regions are int8 ("b").
-_BYTE_FORMATS = frozenset({"b", "B"})
 
 
 class TieringOffloadingMetrics:
@@ -183,19 +179,16 @@ class SecondaryTierManager(ShutdownOnExit, ABC):
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         # A real memoryview is checked now, so a wrong layout fails at start-up and not
-        # in the first copy; anything else (a stand-in in a test) is taken as it is.
+        # in the first copy; anything else (a stand-in in a test) is taken as it is. Only
+        # the layout matters: a row is one chunk, whatever the item type (int8 in vLLM).
         if isinstance(primary_kv_view, memoryview):
             shape = primary_kv_view.shape
-            if (
-                shape is None
-                or len(shape) != 2
-                or primary_kv_view.format not in _BYTE_FORMATS
-                or not primary_kv_view.c_contiguous
-            ):
+            if shape is None or len(shape) != 2 or not primary_kv_view.c_contiguous:
                 raise ConfigError(
                     "primary_kv_view",
-                    f"expected a C-contiguous (num_chunks, row_stride) int8 view, got shape "
-                    f"{shape} format {primary_kv_view.format!r}",
+                    f"expected a C-contiguous (num_chunks, row) view, got shape {shape} "
+                    f"{'' if primary_kv_view.c_contiguous else 'non-contiguous '}"
+                    f"format {primary_kv_view.format!r}",
                 )
         strides = primary_kv_view.strides
         if strides is None:
