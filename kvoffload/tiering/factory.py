@@ -92,9 +92,7 @@ class SecondaryTierFactory:
         cls._registry[tier_type] = load
 
     @classmethod
-    def get_tier_class(
-        cls, tier_config: Mapping[str, Any], *, index: int = 0
-    ) -> type[SecondaryTierManager]:
+    def get_tier_class(cls, tier_config: Mapping[str, Any], *, index: int = 0) -> type[SecondaryTierManager]:
         """The class entry ``index`` of ``secondary_tiers`` names."""
         where = _where(index)
         if not isinstance(tier_config, Mapping):
