@@ -316,6 +316,19 @@ def test_vllm_attribute_names_describe_the_region(engine_id: str, root: Path) ->
         assert os.fstat(region.fd).st_size == region.total_size_bytes
 
 
+def test_the_tiers_view_is_int8_rows_over_the_mapping_as_vllms(engine_id: str, root: Path) -> None:
+    # vLLM hands secondary tiers numpy's int8 rows of its torch.int8 base: format "b", not bytes.
+    with worker(engine_id, root, 1, rows=3) as region:
+        view = region.create_kv_memoryview()
+        try:
+            assert (view.format, view.shape, view.itemsize) == ("b", (3, region._row_stride), 1)
+            view[2, 5] = -1
+            assert region.mmap_obj is not None
+            assert region.mmap_obj[2 * region._row_stride + 5] == 0xFF
+        finally:
+            view.release()
+
+
 # ----------------------------------------------------------------- pinning
 
 

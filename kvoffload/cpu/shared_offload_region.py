@@ -1046,10 +1046,10 @@ class SharedOffloadRegion:
         return view
 
     def create_kv_memoryview(self) -> memoryview:
-        """The whole region as a ``(num_chunks, row_stride)`` byte memoryview; chunk c is ``view[c]``."""
+        """The whole region as a ``(num_chunks, row_stride)`` int8 memoryview (vLLM's format); chunk c is ``view[c]``."""
         if self._released or self._mm is None:
             raise RegionReleasedError(self.path, "Shared offload region has been released.")
-        view = memoryview(self._mm).cast("B", (self.num_chunks, self.row_stride))
+        view = memoryview(self._mm).cast("b", (self.num_chunks, self.row_stride))
         self._views.append(view)
         return view
 
