@@ -316,6 +316,7 @@ def test_every_release_step_runs_when_one_fails_and_the_first_failure_is_raised(
 ) -> None:
     journal = Journal()
     region = make(engine_id, root, journal=journal)
+    assert region.fd is not None
     os.close(region.fd)  # closed behind its back: its own close will fail with EBADF
     with pytest.raises(OSError, match="Bad file descriptor"):
         region.cleanup()
@@ -331,6 +332,7 @@ def test_every_release_step_runs_when_one_fails_and_the_first_failure_is_raised(
 
 def test_a_cleanup_fault_and_a_failing_step_are_both_reported(root: Path, engine_id: str) -> None:
     region = make(engine_id, root)
+    assert region.fd is not None
     os.close(region.fd)
     faults.configure({"cleanup.region": "raise"})
     with pytest.raises(InjectedFault) as info:

@@ -1046,7 +1046,7 @@ class SharedOffloadRegion:
         return view
 
     def create_kv_memoryview(self) -> memoryview:
-        """The whole region as ``(num_chunks, row_stride)`` int8 rows, vLLM's format; chunk c is ``view[c]``."""
+        """The region as ``(num_chunks, row_stride)`` int8 rows (vLLM's format); chunk c is ``view[c]``."""
         if self._released or self._mm is None:
             raise RegionReleasedError(self.path, "Shared offload region has been released.")
         view = memoryview(self._mm).cast("b", (self.num_chunks, self.row_stride))
