@@ -138,6 +138,24 @@ class OffloadingParallelConfig:
     data_parallel_rank_local: int | None
     is_parallelism_agnostic: bool
 
+    @classmethod
+    def tensor_parallel(
+        cls, rank: int, world_size: int, *, is_parallelism_agnostic: bool = False
+    ) -> OffloadingParallelConfig:
+        """One engine of ``world_size`` tensor-parallel workers: no PP, CP or DP."""
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=is_parallelism_agnostic,
+        )
+
 
 @dataclass(frozen=True)
 class OffloadingConfig:
@@ -454,18 +472,7 @@ class OffloadingSettings:
             cache=OffloadingCacheConfig(
                 tokens_per_hash=self.gpu_block_size, blocks_per_chunk=self.blocks_per_chunk
             ),
-            parallel=OffloadingParallelConfig(
-                rank=self.rank,
-                world_size=self.world_size,
-                tp_size=self.world_size,
-                pp_size=1,
-                pcp_size=1,
-                dcp_size=1,
-                data_parallel_index=0,
-                data_parallel_size=1,
-                data_parallel_rank_local=None,
-                is_parallelism_agnostic=False,
-            ),
+            parallel=OffloadingParallelConfig.tensor_parallel(self.rank, self.world_size),
             replicated_layout=self.replicated_layout,
             canonical_layout=self.canonical_layout,
         )

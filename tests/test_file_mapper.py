@@ -51,17 +51,8 @@ def mapper(
         engine_id="file-mapper-test",
         model=OffloadingModelConfig(name=model, dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=tp_size,
-            tp_size=tp_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=is_parallelism_agnostic,
+        parallel=OffloadingParallelConfig.tensor_parallel(
+            rank, tp_size, is_parallelism_agnostic=is_parallelism_agnostic
         ),
         replicated_layout=replicated_layout,
         canonical_layout=canonical_layout,

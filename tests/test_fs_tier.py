@@ -73,18 +73,7 @@ def spec(*, events: bool = False) -> _Spec:
         engine_id="fs-tier-test",
         model=OffloadingModelConfig(name="org/model", dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        parallel=OffloadingParallelConfig.tensor_parallel(0, 1),
     )
     return _Spec(
         config, OffloadingKVEventsConfig(enable_kv_cache_events=events, self_describing_kv_events=False)

@@ -53,7 +53,7 @@ def vllm_config(
         engine_id=engine_id,
         model=OffloadingModelConfig("model", "float16", max_model_len=1024),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(rank, world_size, world_size, 1, 1, 1, 0, 1, None, False),
+        parallel=OffloadingParallelConfig.tensor_parallel(rank, world_size),
         replicated_layout=replicated_layout,
     )
 
