@@ -56,7 +56,8 @@ bench-quick:
 
 # vLLM 0.33's own kv_offload tests, run against vLLM and against kvoffload (compat/vllm_compat.py):
 # downloads the sdist through pip's index configuration and builds a venv of its own under
-# build/vllm-compat. Not part of `make test`: it needs the network and about 3 minutes.
+# build/vllm-compat. Not part of `make test`: it needs the network, and about 4 minutes once its
+# venv is built.
 vllm-compat: venv
 	$(BIN)/python compat/vllm_compat.py --work build/vllm-compat
 
