@@ -285,3 +285,69 @@ def test_the_table_has_a_row_per_file_and_a_total() -> None:
     lines = vllm_compat.render_table(rows).splitlines()
     assert lines[2] == "| `a.py` | 3 | 3 | 2 | 1 | 0 |"
     assert lines[-1] == "| **total** | **5** | **5** | **4** | **1** | **0** |"
+
+
+# ----------------------------------------------------------------- one run, for real
+
+
+def can_unshare() -> bool:
+    try:
+        argv = [*vllm_compat.private_shm_argv(), "true"]
+    except vllm_compat.SetupError:
+        return False
+    return subprocess.run(argv, capture_output=True, timeout=60, check=False).returncode == 0
+
+
+needs_unshare = pytest.mark.skipif(not can_unshare(), reason="needs unshare with a mount namespace")
+
+
+@needs_unshare
+def test_a_run_writes_into_a_tmpfs_of_its_own_and_never_into_the_hosts(tmp_path: Path) -> None:
+    name = f"kvtest-compat-{os.getpid()}"
+    script = f"touch /dev/shm/{name} && ls /dev/shm && grep ' /dev/shm ' /proc/self/mounts"
+    done = subprocess.run(
+        [*vllm_compat.private_shm_argv(), "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == name  # nothing of the host's is visible in there
+    assert "vllm-compat /dev/shm tmpfs" in done.stdout
+    assert name not in os.listdir("/dev/shm")
+
+
+@needs_unshare
+def test_one_file_runs_on_both_targets_and_each_test_is_reported(vllm_tree: Path, tmp_path: Path) -> None:
+    tests = vllm_tree / vllm_compat.TESTS
+    tests.mkdir(parents=True)
+    for package in ("tests", "tests/v1", vllm_compat.TESTS):
+        (vllm_tree / package / "__init__.py").write_text("")
+    (tests / "test_names.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+            import vllm.v1.kv_offload.base as base
+
+            def test_the_module_is_kvoffloads():
+                assert base.__name__ == "kvoffload.base"
+
+            def test_shm_is_private():
+                open("/dev/shm/vllm_offload_kvtest-compat.mmap", "w").close()
+                assert os.listdir("/dev/shm") == ["vllm_offload_kvtest-compat.mmap"]
+            """
+        )
+    )
+    out = tmp_path / "runs"
+    out.mkdir()
+    python = Path(sys.executable)
+    ours = vllm_compat.run_file(python, vllm_tree, "kvoffload", "test_names.py", out)
+    theirs = vllm_compat.run_file(python, vllm_tree, "vllm", "test_names.py", out)
+    assert [(o.test, o.outcome) for o in ours] == [
+        ("test_names.py::test_the_module_is_kvoffloads", "passed"),
+        ("test_names.py::test_shm_is_private", "passed"),
+    ]
+    # Without the adapter vLLM's tree has no kv_offload here: the module fails to import.
+    assert [(o.test, o.outcome) for o in theirs] == [("test_names.py::<collection>", "error")]
+    assert "vllm_offload_kvtest-compat.mmap" not in os.listdir("/dev/shm")
