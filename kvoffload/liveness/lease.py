@@ -59,6 +59,9 @@ FREE = LeaseProbe(LeaseState.FREE)
 HELD = LeaseProbe(LeaseState.HELD)
 DISABLED = LeaseProbe(None, "disabled (--no-lease)")
 NOT_PROBED = LeaseProbe(None, "not probed")
+#: Granted, then broken before we let go: someone opened the file while we looked. It is
+#: ``held`` as far as any verdict goes (the opener has it now).
+BROKEN = LeaseProbe(LeaseState.HELD, "an opener arrived while the lease was held")
 
 
 def unavailable_reason(error: OSError, st_uid: int, fsuid: int) -> str:

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload import procfs
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, RootError
 from kvoffload.liveness import lease
 from kvoffload.liveness.holders import HolderIndex, collect_holders
 from kvoffload.liveness.lease import LeaseState
@@ -79,7 +79,7 @@ from kvoffload.liveness.scan import (
     open_root,
     scan,
 )
-from kvoffload.shm import names
+from kvoffload.shm import mounts, names
 
 _GONE = "gone before removal (removed by someone else)"
 _RACED = "kept: raced with an opener (it opened the file during removal)"
@@ -229,6 +229,8 @@ def reap(
     now: float | None = None,
     only: ReapReport | None = None,
     should_stop: Callable[[], bool] | None = None,
+    root_fd: int | None = None,
+    any_filesystem: bool = False,
 ) -> ReapReport:
     """Scan ``root`` and remove the orphaned regions ``filters`` select.
 
@@ -240,7 +242,55 @@ def reap(
     once it answers True, the regions not yet begun are kept, still ``orphaned``, with the
     reason. A region already locked is finished, so nothing is ever left half-removed or
     parked under a private name.
+
+    ``root_fd`` is the root's directory, already open (see ``scan.open_root``): the scan and
+    every removal then act on that directory, never on whatever ``root`` names by now.
+    Files are removed only from a tmpfs or hugetlbfs (where regions live, and where a file's
+    memory is what the operator wants back); ``any_filesystem`` lifts that.
     """
+    with open_root(root, root_fd) as dir_fd:
+        if not any_filesystem:
+            _require_memory_filesystem(root, dir_fd)
+        return _reap_root(
+            root,
+            dir_fd,
+            grace_s=grace_s,
+            filters=filters,
+            dry_run=dry_run,
+            all_users=all_users,
+            assume_not_holding=assume_not_holding,
+            use_lease=use_lease,
+            proc_root=proc_root,
+            now=now,
+            only=only,
+            should_stop=should_stop,
+        )
+
+
+def _require_memory_filesystem(root: Path | str, dir_fd: int) -> None:
+    if mounts.memory_filesystem(dir_fd) is None:
+        raise RootError(
+            root,
+            "is not on a tmpfs or hugetlbfs: reap removes region files only where they live",
+            fix="pass the shm mount (/dev/shm, a pod memory volume), or --any-filesystem to remove anyway",
+        )
+
+
+def _reap_root(
+    root: Path | str,
+    dir_fd: int,
+    *,
+    grace_s: float,
+    filters: ReapFilter,
+    dry_run: bool,
+    all_users: bool,
+    assume_not_holding: Collection[int],
+    use_lease: bool,
+    proc_root: Path,
+    now: float | None,
+    only: ReapReport | None,
+    should_stop: Callable[[], bool] | None,
+) -> ReapReport:
     report = scan(
         root,
         grace_s=grace_s,
@@ -249,6 +299,7 @@ def reap(
         use_lease=use_lease,
         proc_root=proc_root,
         now=now,
+        root_fd=dir_fd,
     )
     chosen = selected = select(report, filters)
     kept: list[ScanEntry] = []
@@ -273,7 +324,7 @@ def reap(
         groups: dict[str, list[ScanEntry]] = {}
         for e in chosen:
             groups.setdefault(e.engine_id, []).append(e)
-        with open_root(report.root) as dir_fd, lease.sigio_ignored():
+        with lease.sigio_ignored():
             removed, stay = _reap(
                 dir_fd, groups.values(), proc_root, frozenset(assume_not_holding), should_stop
             )

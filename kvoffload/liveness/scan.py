@@ -221,13 +221,28 @@ class ScanReport:
 
 
 @contextlib.contextmanager
-def open_root(root: Path | str) -> Iterator[int]:
+def open_root(root: Path | str, root_fd: int | None = None) -> Iterator[int]:
     """A directory fd of the shm root; every error becomes a ``RootError`` with a fix.
 
     The root itself may be a symlink (``/dev/shm -> /run/shm`` on some systems): the
     operator names it. Entries inside it are never followed. An empty name is refused:
     the kernel would read it as the current directory.
+
+    ``root_fd`` is a directory fd the caller already opened (and pinned: ``shmctl watch``
+    opens each root without following any symlink below its glob's fixed part). It is
+    duplicated, never reopened by path, so the scan and the reap act on that very directory
+    whatever the path names by now; ``root`` is then only its name in the report.
     """
+    if root_fd is not None:
+        try:
+            fd = os.dup(root_fd)
+        except OSError as e:
+            raise RootError(root, f"cannot use its directory fd: {e.strerror}") from None
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+        return
     if str(root) == "":
         raise ConfigError(
             "--root", "is empty (it would mean the current directory)", fix="pass --root /dev/shm"
@@ -277,6 +292,7 @@ def scan(
     now: float | None = None,
     parallel: bool | None = None,
     holders: HolderIndex | None = None,
+    root_fd: int | None = None,
 ) -> ScanReport:
     """Judge every ``vllm_offload_*.mmap[.N]`` entry of ``root``.
 
@@ -289,7 +305,8 @@ def scan(
     ``/proc`` pass the caller already made (``shmctl watch`` makes one per pass for all its
     roots); it is used only if it covers every device of the root's files, else the scan
     makes its own. Its evidence is as old as that pass: the lease probes are not, and a reap
-    proves each file dead again anyway.
+    proves each file dead again anyway. ``root_fd`` is the root's directory, already open
+    (``open_root``): the scan then never resolves ``root`` by path.
     """
     if grace_s < 0:
         raise ConfigError("grace", f"must not be negative, got {grace_s:g}s")
@@ -299,7 +316,7 @@ def scan(
             "all_users", "only root may judge other users' files", fix="run as root, or drop --all-users"
         )
     root = Path(root)
-    with open_root(root) as dir_fd, lease.sigio_ignored() as unsafe:
+    with open_root(root, root_fd) as dir_fd, lease.sigio_ignored() as unsafe:
         lease_off = lease.DISABLED if not use_lease else None if unsafe is None else LeaseProbe(None, unsafe)
         listed = _list_regions(root, dir_fd)
         regions = _Sorted.of(listed, None if all_users else {euid})
@@ -428,6 +445,10 @@ def _probe(dir_fd: int, item: _Listed, lease_off: LeaseProbe | None, euid: int) 
         owner, owner_problem = inspect_owner(fd) if item.region.segment == 0 else (None, None)
         answer = lease_off or lease.take(fd, st.st_uid, euid)
         if answer.free:
+            # Checked before the close releases it: an opener that arrived while we held the
+            # lease is blocked on it now, and the file is in use the moment we let go.
+            if lease.contested(fd, st.st_uid, euid):
+                return _Probe(None, lease.BROKEN, owner, owner_problem)
             return _Probe(False, answer, owner, owner_problem)
         lock_held, problem = lock.probe(fd)
         return _Probe(lock_held, answer, owner, owner_problem, problem)

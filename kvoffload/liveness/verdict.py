@@ -128,6 +128,10 @@ def decide(
             "kvoffload lock held by a participant (possibly in another PID namespace)",
             Evidence.LOCK,
         )
+    opened = next((f.lease.error for f in files if f.lease.held and f.lease.error), None)
+    if opened is not None:
+        # The lease was granted, then broken before we let go of it: in use from now on.
+        return Verdict(Status.LIVE, f"opened during this scan ({opened})", Evidence.LEASE)
     if any(f.lease.held for f in files):
         return Verdict(
             Status.LIVE,

@@ -280,3 +280,30 @@ def check_huge_pages(root: Path | str) -> HugePages:
         effective=info.huge_pages,
         fix=huge_pages_advice(info),
     )
+
+
+#: ``statfs.f_type`` of the filesystems region files live on (linux/magic.h).
+TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
+_MEMORY_FILESYSTEMS = {TMPFS_MAGIC: "tmpfs", HUGETLBFS_MAGIC: "hugetlbfs"}
+
+
+def filesystem_magic(fd: int) -> int | None:
+    """``fstatfs(fd).f_type``: which filesystem the open file or directory is on; None if unknown.
+
+    ``os.statvfs`` has no ``f_type``; ``struct statfs`` starts with it (a ``long`` on every
+    Linux ABI), so the first word of the kernel's answer is all that is read.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit ABIs
+    if libc.fstatfs(fd, buffer) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+def memory_filesystem(fd: int) -> str | None:
+    """``"tmpfs"`` or ``"hugetlbfs"`` for a directory on one of them; None for any other filesystem."""
+    magic = filesystem_magic(fd)
+    return None if magic is None else _MEMORY_FILESYSTEMS.get(magic)
