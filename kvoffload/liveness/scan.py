@@ -453,7 +453,8 @@ def _probe(dir_fd: int, item: _Listed, lease_off: LeaseProbe | None, euid: int) 
         lock_held, problem = lock.probe(fd)
         return _Probe(lock_held, answer, owner, owner_problem, problem)
     finally:
-        os.close(fd)  # releases the lease and the lock probe
+        lease.release(fd)  # explicitly, so the lease's bookkeeping (its guard) sees it end
+        os.close(fd)  # releases the lock probe
 
 
 @dataclass(slots=True)
