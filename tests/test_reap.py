@@ -314,7 +314,7 @@ def fd_limit() -> Iterable[Callable[[int], None]]:
     resource.setrlimit(resource.RLIMIT_NOFILE, before)
 
 
-@pytest.mark.parametrize(("soft", "files"), [(256, 128), (2048, 512), (8192, 1024)])
+@pytest.mark.parametrize(("soft", "files"), [(256, 64), (2048, 512), (8192, 1024)])
 def test_a_batch_holds_at_most_a_quarter_of_the_fd_limit(
     fd_limit: Callable[[int], None], soft: int, files: int
 ) -> None:
@@ -322,6 +322,15 @@ def test_a_batch_holds_at_most_a_quarter_of_the_fd_limit(
 
     fd_limit(soft)
     assert batch_files() == files
+
+
+@pytest.mark.parametrize("soft", [16, 24, 64])
+def test_a_batch_never_needs_more_fds_than_are_free(fd_limit: Callable[[int], None], soft: int) -> None:
+    from kvoffload.liveness.reap import FD_RESERVE, batch_files
+
+    fd_limit(soft)
+    in_use = len(os.listdir("/proc/self/fd")) - 1
+    assert 1 <= batch_files() <= max(1, soft - in_use - FD_RESERVE)
 
 
 @pytest.mark.parametrize("lease", [True, False], ids=["lease", "no-lease"])

@@ -63,7 +63,7 @@ from pathlib import Path
 
 from kvoffload import procfs
 from kvoffload.errors import ConfigError, RootError
-from kvoffload.liveness import lease
+from kvoffload.liveness import lease, park
 from kvoffload.liveness.holders import HolderIndex, collect_holders
 from kvoffload.liveness.lease import LeaseState
 from kvoffload.liveness.namespace import Visibility
@@ -79,44 +79,47 @@ from kvoffload.liveness.scan import (
     open_root,
     scan,
 )
-from kvoffload.shm import mounts, names
+from kvoffload.shm import mounts
 
 _GONE = "gone before removal (removed by someone else)"
 _RACED = "kept: raced with an opener (it opened the file during removal)"
 _REGION_KEPT = "kept: another file of its region was kept (a region goes whole or not at all)"
 _STOPPED = "kept: the reap was stopped before this region (the process is shutting down)"
-#: Regions re-proven together where no lease can be taken: one /proc pass (~10 ms on a quiet
-#: host) re-checks a batch of at least this many files. Each file stays LOCK_EX'ed from before
-#: that pass until after its unlink, so a kvoffload participant can never slip in.
-RECHECK_BATCH_FILES = 128
 #: The most files one batch holds open at once, however many fds the process may have.
 MAX_BATCH_FILES = 1024
+#: Fds kept free beside a batch: the root, the park directory, a /proc walk's two, the prober's
+#: pipe, and a little room for what the caller holds (an agent's listener).
+FD_RESERVE = 8
 
 
 def batch_files() -> int:
-    """Files per batch: a quarter of the soft fd limit, between 128 and 1024.
+    """Files per batch: a quarter of the soft fd limit at most (and 1024), never more than the
+    fds actually free now, and at least 1.
 
     Every file of a batch stays open (LOCK_EX) until the batch is done, and each batch costs
     one settle wait (and, without a lease, one ``/proc`` pass): bigger batches are faster,
-    but a batch must never run the process out of fds (an open that fails keeps the region).
+    but a batch must never run the process out of fds. At ``ulimit -n 64`` a batch is a few
+    files, at 16 one or two: slower, and every orphan still goes.
     """
     try:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ImportError, OSError, ValueError):
-        return RECHECK_BATCH_FILES
+        return 1
     if soft == resource.RLIM_INFINITY:
-        return MAX_BATCH_FILES
-    return max(RECHECK_BATCH_FILES, min(MAX_BATCH_FILES, soft // 4))
+        soft = 4 * MAX_BATCH_FILES
+    try:
+        in_use = len(os.listdir("/proc/self/fd")) - 1  # the listing's own fd is closed again
+    except OSError:
+        in_use = 8
+    return max(1, min(MAX_BATCH_FILES, soft // 4, soft - in_use - FD_RESERVE))
 
 
-#: How long parked files (renamed to a private name, lease released) wait before their last
+#: How long parked files (moved to the park directory, lease released) wait before their last
 #: check: an opener that resolved the region name just before the rename needs only to be
 #: scheduled to enter the file's open count. One wait per batch, not per file.
 PARK_SETTLE_S = 0.002
-#: ``RENAME_NOREPLACE`` (linux/fs.h): never replace what another process created meanwhile.
-_RENAME_NOREPLACE = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +202,15 @@ class ReapReport:
     filtered_out: tuple[ScanEntry, ...] = ()
     #: The ``--engine``/``--pid`` values that named no region in the root at all.
     unmatched_filters: tuple[str, ...] = ()
+    #: Dry run: what dead reapers left parked, each with the ``action`` this reap would take.
+    parked: tuple[ScanEntry, ...] = ()
+    #: Parked files (of a dead reap, or raced by an opener in this one... see ``kept``) given
+    #: back their names by this reap.
+    restored: tuple[ScanEntry, ...] = ()
+    #: Files that wait in a park directory because their name was taken before they could be
+    #: given back: both files kept, nothing removed (also in ``kept``, status ``parked``).
+    conflicts: tuple[ScanEntry, ...] = ()
+    lease_break_time_s: float | None = None
 
     @property
     def unknown_resident_bytes(self) -> int:
@@ -307,7 +319,7 @@ def _reap_root(
         confirmed = {(e.name, e.identity) for e in only.removed}
         chosen = tuple(e for e in chosen if (e.name, e.identity) in confirmed)
         now_chosen = {(e.name, e.identity) for e in chosen}
-        fresh = {e.name: e for e in report.entries}
+        fresh = {e.name: e for e in report.entries if e.parked is None}
         for e in only.removed:
             if (e.name, e.identity) in now_chosen:
                 continue
@@ -318,16 +330,30 @@ def _reap_root(
                 kept.append(_kept(current, Status.UNKNOWN, "the name now refers to another file"))
             else:
                 kept.append(current)
+    # What dead reapers left parked: settled first, whatever the filters (a live file must get
+    # its name back at once); only the filters' engines are removed, the rest given back.
+    parked = tuple(e for e in report.entries if e.parked is not None and not e.parked.reaper_running)
+    restored: list[ScanEntry] = []
     if dry_run:
         removed: list[ScanEntry] = list(chosen)
     else:
-        groups: dict[str, list[ScanEntry]] = {}
-        for e in chosen:
-            groups.setdefault(e.engine_id, []).append(e)
+        removed = []
         with lease.sigio_ignored():
-            removed, stay = _reap(
-                dir_fd, groups.values(), proc_root, frozenset(assume_not_holding), should_stop
-            )
+            if parked:
+                _recover(
+                    dir_fd,
+                    parked,
+                    remove_engines=filters.matches_engine if only is None else lambda _: False,
+                    use_lease=report.lease_enabled,
+                    removed=removed,
+                    kept=kept,
+                    restored=restored,
+                )
+            groups: dict[str, list[ScanEntry]] = {}
+            for e in chosen:
+                groups.setdefault(e.engine_id, []).append(e)
+            done, stay = _reap(dir_fd, groups.values(), proc_root, frozenset(assume_not_holding), should_stop)
+        removed.extend(done)
         kept.extend(stay)
     return ReapReport(
         schema_version=SCHEMA_VERSION,
@@ -342,6 +368,10 @@ def _reap_root(
         lease_enabled=report.lease_enabled,
         filtered_out=_left_out(report, selected),
         unmatched_filters=filters.unmatched(report.entries),
+        parked=parked if dry_run else (),
+        restored=tuple(restored),
+        conflicts=tuple(e for e in kept if e.status is Status.PARKED),
+        lease_break_time_s=report.lease_break_time_s,
     )
 
 
@@ -365,21 +395,21 @@ def _reap(
     assume_not_holding: frozenset[int],
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[ScanEntry], list[ScanEntry]]:
-    """Reap region by region; regions without a lease are re-checked once per batch."""
+    """Reap region by region, in batches sized to the fds free now (``batch_files``)."""
     removed: list[ScanEntry] = []
     kept: list[ScanEntry] = []
-    batch: list[list[ScanEntry]] = []
-    files = 0
-    size = batch_files()
-    for group in groups:
-        batch.append(group)
-        files += len(group)
-        if files >= size:
-            _reap_batch(dir_fd, batch, proc_root, assume_not_holding, removed, kept, should_stop)
-            batch = []
-            files = 0
-    if batch:
-        _reap_batch(dir_fd, batch, proc_root, assume_not_holding, removed, kept, should_stop)
+    with park.ParkDir(dir_fd, proc_root=proc_root) as parking:
+        batch: list[list[ScanEntry]] = []
+        files = 0
+        size = batch_files()
+        for group in groups:
+            if batch and files + len(group) > size:
+                _reap_batch(parking, dir_fd, batch, proc_root, assume_not_holding, removed, kept, should_stop)
+                batch, files, size = [], 0, batch_files()
+            batch.append(group)  # a region larger than a batch is a batch of its own
+            files += len(group)
+        if batch:
+            _reap_batch(parking, dir_fd, batch, proc_root, assume_not_holding, removed, kept, should_stop)
     return removed, kept
 
 
@@ -392,6 +422,7 @@ def _leased(locked: _Locked) -> bool:
 
 
 def _reap_batch(
+    parking: park.ParkDir,
     dir_fd: int,
     groups: list[list[ScanEntry]],
     proc_root: Path,
@@ -400,7 +431,7 @@ def _reap_batch(
     kept: list[ScanEntry],
     should_stop: Callable[[], bool] | None = None,
 ) -> None:
-    """Prove each region dead once more and unlink its files (module docstring, steps 1-6)."""
+    """Prove each region dead once more, park its files, prove again, unlink (module docstring)."""
     with contextlib.ExitStack() as locks:
         locked_groups: list[_Locked] = []
         for group in groups:
@@ -425,42 +456,26 @@ def _reap_batch(
                 deleted=False,
                 locks=False,  # we hold LOCK_EX on every one of these files
             )
-        parking: dict[str, list[_Parked]] = {}
-        # Regions with a file kept while parking, and that file's status: none of them goes.
-        spoiled: dict[str, Status] = {}
+        waiting: list[tuple[_Locked, bool]] = []
         for locked in locked_groups:
             leased = _leased(locked)
-            verdict = None
             if not leased:
                 assert index is not None  # built above for every unleased region
                 verdict = _still_dead(locked, index, assume_not_holding)
-            if verdict is not None:
-                kept.extend(_kept(e, verdict[0], f"kept: {verdict[1]}") for e, _ in locked)
-                continue
-            for e, fd in locked:
-                if e.engine_id in spoiled:
-                    kept.append(_kept(e, spoiled[e.engine_id], _REGION_KEPT))
+                if verdict is not None:
+                    kept.extend(_kept(e, verdict[0], f"kept: {verdict[1]}") for e, _ in locked)
                     continue
-                if not leased:
-                    outcome = _unlink(dir_fd, e)
-                else:
-                    parked = _park(dir_fd, e, fd)
-                    if isinstance(parked, str):
-                        parking.setdefault(e.engine_id, []).append((e, fd, parked))
-                        continue
-                    if parked is not None:
-                        spoiled[e.engine_id] = parked.status
-                    outcome = parked
-                if outcome is None:
-                    removed.append(e)
-                else:
-                    kept.append(outcome)
-        if parking:
+            stay = _park_region(parking, dir_fd, locked, leased)
+            if stay is not None:
+                kept.extend(stay)
+            else:
+                waiting.append((locked, leased))
+        if any(leased for _, leased in waiting):
             # Step 4e: an opener that resolved a name just before its rename gets time to show
             # in the file's open count before the last check; one wait per batch.
             time.sleep(PARK_SETTLE_S)
-            for engine_id, files in parking.items():
-                _finish_region(dir_fd, files, spoiled.get(engine_id), removed, kept)
+        for locked, leased in waiting:
+            _finish_region(parking, locked, leased, removed, kept)
 
 
 def _lock_group(
@@ -478,9 +493,14 @@ def _lock_group(
                 gone.append(_kept(e, Status.ORPHANED, _GONE))
                 continue
             except OSError as err:
-                why = (
-                    "replaced by a symlink" if err.errno == errno.ELOOP else f"cannot open ({_errname(err)})"
-                )
+                if err.errno == errno.ELOOP:
+                    why = "replaced by a symlink"
+                elif err.errno in (errno.EMFILE, errno.ENFILE):
+                    why = (
+                        f"cannot open ({_errname(err)}): its region needs {len(members)} fds; raise ulimit -n"
+                    )
+                else:
+                    why = f"cannot open ({_errname(err)})"
                 return _keep_region(members, gone, kept, Status.UNKNOWN, f"{e.name} {why}")
             opened.append(fd)
             st = os.fstat(fd)
@@ -538,20 +558,6 @@ def _lease_refusal(answer: lease.LeaseProbe) -> str:
     return f"no write lease now ({answer.error})"
 
 
-def _unlink(dir_fd: int, e: ScanEntry) -> ScanEntry | None:
-    """Unlink one locked file if its name still names it; else the entry as kept."""
-    problem = _name_changed(dir_fd, e)
-    if problem is not None:
-        return problem
-    try:
-        os.unlink(e.name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return _kept(e, Status.ORPHANED, _GONE)
-    except OSError as err:
-        return _kept(e, Status.ORPHANED, f"kept: unlink failed ({_errname(err)})")
-    return None
-
-
 def _name_changed(dir_fd: int, e: ScanEntry) -> ScanEntry | None:
     try:
         st = os.stat(e.name, dir_fd=dir_fd, follow_symlinks=False)
@@ -562,61 +568,97 @@ def _name_changed(dir_fd: int, e: ScanEntry) -> ScanEntry | None:
     return None
 
 
-def _park(dir_fd: int, e: ScanEntry, fd: int) -> ScanEntry | str | None:
-    """Step 4a-d for one file, under its own write lease held for this file only.
+def _park_region(parking: park.ParkDir, dir_fd: int, locked: _Locked, leased: bool) -> list[ScanEntry] | None:
+    """Park every file of a region (None), or none: the region's entries as kept, names given back."""
+    done: list[ScanEntry] = []
+    for i, (e, fd) in enumerate(locked):
+        outcome = _park(parking, dir_fd, e, fd, leased)
+        if outcome is None:
+            done.append(e)
+            continue
+        # A region goes whole or not at all: what was parked goes back, the rest stays put.
+        stay = [outcome]
+        stay.extend(_restore(parking, p, _REGION_KEPT, _follow(outcome.status)) for p in done)
+        stay.extend(_kept(rest, _follow(outcome.status), _REGION_KEPT) for rest, _ in locked[i + 1 :])
+        return stay
+    return None
 
-    Returns the private name the file now has (to be finished by ``_finish``), the entry as
-    kept, or None when it was unlinked outright (no ``renameat2`` here).
-    """
+
+def _follow(status: Status) -> Status:
+    # A file kept because its region lost a member: what the kept member is, unless that
+    # member now waits parked (a conflict), which the others are not.
+    return Status.LIVE if status is Status.PARKED else status
+
+
+def _park(parking: park.ParkDir, dir_fd: int, e: ScanEntry, fd: int, leased: bool) -> ScanEntry | None:
+    """Steps 4a-d for one file: under its own lease when there is one, move it to the park
+    directory and prove the move took the proven inode. None when it is parked."""
     fsuid = os.geteuid()
-    answer = lease.take(fd, e.uid, fsuid)
-    if not answer.free:
-        return _kept(e, Status.LIVE if answer.held else Status.UNKNOWN, f"kept: {_lease_refusal(answer)}")
+    if leased:
+        answer = lease.take(fd, e.uid, fsuid)
+        if not answer.free:
+            status = Status.LIVE if answer.held else Status.UNKNOWN
+            return _kept(e, status, f"kept: {_lease_refusal(answer)}")
     try:
         problem = _name_changed(dir_fd, e)
         if problem is not None:
             return problem
-        if lease.contested(fd, e.uid, fsuid):
+        if leased and lease.contested(fd, e.uid, fsuid):
             return _kept(e, Status.LIVE, _RACED)
-        private = _private_name(e)
         try:
-            _rename_noreplace(dir_fd, e.name, private)
+            outcome = parking.park(e.name, e.identity)
         except OSError as err:
-            if err.errno not in (errno.ENOSYS, errno.EINVAL):
-                return _kept(e, Status.ORPHANED, f"kept: rename before unlink failed ({_errname(err)})")
-            return _unlink(dir_fd, e)  # no renameat2 here: the lease checks above still hold
-        if lease.contested(fd, e.uid, fsuid):
-            return _restore(dir_fd, e, private)
-        return private
+            return _kept(
+                e, Status.ORPHANED, f"kept: cannot move it to a private directory first ({_errname(err)})"
+            )
+        if outcome.moved is park.Moved.GONE:
+            return _kept(e, Status.ORPHANED, _GONE)
+        if outcome.moved is not park.Moved.PARKED:
+            return _someone_elses(parking, e, fd, outcome)
+        if leased and lease.contested(fd, e.uid, fsuid):
+            return _restore(parking, e)
+        return None
     finally:
-        lease.release(fd)
+        if leased:
+            lease.release(fd)
 
 
-_Parked = tuple[ScanEntry, int, str]  # entry, its locked fd, its private name
+def _someone_elses(parking: park.ParkDir, e: ScanEntry, fd: int, outcome: park.ParkOutcome) -> ScanEntry:
+    """The rename took another file than the one proven dead (its name was re-created)."""
+    other = outcome.other[1] if outcome.other is not None else "?"
+    ours = (
+        "the file proven dead was removed by someone else first"
+        if os.fstat(fd).st_nlink == 0
+        else "the file proven dead no longer has this name"
+    )
+    if outcome.moved is park.Moved.RETURNED:
+        why = f"kept: the name was re-created during removal (inode {other}, given back untouched); {ours}"
+        return _kept(e, Status.UNKNOWN, why)
+    why = (
+        f"conflict: the name was re-created during removal (inode {other}) and taken again before "
+        f"that file could be given back ({outcome.error}); it waits in {parking.name}, "
+        f"nothing removed; {ours}"
+    )
+    return _parked_entry(parking, e, why)
+
+
+def _parked_entry(parking: park.ParkDir, e: ScanEntry, why: str) -> ScanEntry:
+    where = e.path.parent / (parking.name or "") / e.name
+    return dataclasses.replace(e, status=Status.PARKED, reason=why, path=where)
 
 
 def _finish_region(
-    dir_fd: int,
-    files: list[_Parked],
-    spoiled: Status | None,
-    removed: list[ScanEntry],
-    kept: list[ScanEntry],
+    parking: park.ParkDir, locked: _Locked, leased: bool, removed: list[ScanEntry], kept: list[ScanEntry]
 ) -> None:
-    """Step 4e for one region's parked files: all go, or (an opener on any) all get their names back.
-
-    ``spoiled`` is the status of a file of the region that was kept while parking, if any.
-    """
+    """Step 4e for one region's parked files: all go, or (an opener on any) all get their names back."""
     fsuid = os.geteuid()
-    if spoiled is not None:
-        kept.extend(_restore(dir_fd, e, private, _REGION_KEPT, spoiled) for e, _, private in files)
-        return
     # All or nothing: every file is checked before any goes. A one-file region skips this
     # round; ``_finish`` makes the same check, under the same lease, right before the unlink.
-    if len(files) > 1 and any(_contested_now(fd, e.uid, fsuid) for e, fd, _ in files):
-        kept.extend(_restore(dir_fd, e, private) for e, _, private in files)
+    if leased and len(locked) > 1 and any(_contested_now(fd, e.uid, fsuid) for e, fd in locked):
+        kept.extend(_restore(parking, e) for e, _ in locked)
         return
-    for e, fd, private in files:
-        outcome = _finish(dir_fd, e, fd, private)
+    for e, fd in locked:
+        outcome = _finish(parking, e, fd, leased)
         if outcome is None:
             removed.append(e)
         else:
@@ -633,70 +675,161 @@ def _contested_now(fd: int, st_uid: int, fsuid: int) -> bool:
         lease.release(fd)
 
 
-def _finish(dir_fd: int, e: ScanEntry, fd: int, private: str) -> ScanEntry | None:
-    """The last check of one parked file, under its lease again, then the unlink.
+def _finish(parking: park.ParkDir, e: ScanEntry, fd: int, leased: bool) -> ScanEntry | None:
+    """The last check of one parked file (under its lease again, where it has one), the unlink
+    in the park directory, and the proof that the inode has no name left.
 
-    Nobody can open the private name (unguessable); only an opener that resolved the region
-    name before the rename can be on the inode, and it shows in the open count by now.
+    Nobody can open a name in the park directory but its owner; only an opener that resolved
+    the region name before the rename can be on the inode, and it shows in the open count now.
     """
     fsuid = os.geteuid()
-    if not lease.take(fd, e.uid, fsuid).free:
-        return _restore(dir_fd, e, private)
+    if leased and not lease.take(fd, e.uid, fsuid).free:
+        return _restore(parking, e)
     try:
-        if lease.contested(fd, e.uid, fsuid):
-            return _restore(dir_fd, e, private)
+        if leased and lease.contested(fd, e.uid, fsuid):
+            return _restore(parking, e)
         try:
-            os.unlink(private, dir_fd=dir_fd)
+            problem = parking.unlink(e.name, e.identity, fd)
         except OSError as err:
-            return _kept(e, Status.ORPHANED, f"kept as {private}: unlink failed ({_errname(err)})")
+            return _restore(parking, e, f"kept: unlink failed ({_errname(err)})", Status.ORPHANED)
+        if problem is not None:
+            return _kept(e, Status.UNKNOWN, f"kept: {problem}")
         return None
     finally:
-        lease.release(fd)
+        if leased:
+            lease.release(fd)
 
 
 def _restore(
-    dir_fd: int, e: ScanEntry, private: str, why: str = _RACED, status: Status = Status.LIVE
+    parking: park.ParkDir, e: ScanEntry, why: str = _RACED, status: Status = Status.LIVE
 ) -> ScanEntry:
-    """An opener is on this inode (or its region was kept): give the name back, file intact."""
+    """Give a parked file its name back, intact; a name taken meanwhile is a conflict."""
     try:
-        _rename_noreplace(dir_fd, private, e.name)
+        parking.restore(e.name)
     except OSError as err:
-        return _kept(
+        return _parked_entry(
+            parking,
             e,
-            Status.LIVE,
-            f"kept as {private}: raced with an opener, and the name could not be restored ({_errname(err)})",
+            f"conflict: {why.removeprefix('kept: ')}, and its name could not be given back "
+            f"({_errname(err)}: another file took it meanwhile); it waits in {parking.name}, nothing removed",
         )
     return _kept(e, status, why)
 
 
-def _private_name(e: ScanEntry) -> str:
-    # Of the region pattern, so a reaper that dies between rename and unlink leaves a file
-    # the next reap judges like any other; unguessable, so nobody can plant it.
-    return names.format_name(f".shmctl-reap-{os.urandom(16).hex()}", 0, _check=False)
+def _recover(
+    dir_fd: int,
+    parked: Sequence[ScanEntry],
+    *,
+    remove_engines: Callable[[str], bool],
+    use_lease: bool,
+    removed: list[ScanEntry],
+    kept: list[ScanEntry],
+    restored: list[ScanEntry],
+) -> None:
+    """Settle what dead reapers left parked: proven dead goes, anything else gets its name back.
+
+    Each park directory is adopted first (its lock, taken by us: another reap or agent that
+    comes now sees it held and leaves it alone). Per region: every file ``remove`` by the
+    scan's evidence (and chosen by the operator's filters) is proven dead once more under its
+    lease and unlinked; any other file, or a file whose proof fails now, is renamed back to its
+    name, and a name taken meanwhile is a conflict (both kept). Removing needs a lease: without
+    one, a dead parked file goes back to its name, where an ordinary reap judges it.
+    """
+    by_dir: dict[str, list[ScanEntry]] = {}
+    for e in parked:
+        assert e.parked is not None
+        by_dir.setdefault(e.parked.directory, []).append(e)
+    euid = os.geteuid()
+    for name, entries in by_dir.items():
+        found = park.inspect_park(dir_fd, name)
+        if found is None or found.running is not False or (euid not in (0, found.uid)):
+            continue
+        park_fd = park.adopt(dir_fd, found)
+        if park_fd is None:
+            continue  # someone else adopted it just now
+        try:
+            for engine_id, files in _by_engine(entries).items():
+                remove = (
+                    use_lease
+                    and remove_engines(engine_id)
+                    and all(f.parked is not None and f.parked.action == "remove" for f in files)
+                )
+                for e in files:
+                    _settle_parked(dir_fd, park_fd, name, e, remove, removed, kept, restored)
+            with contextlib.suppress(OSError):
+                park.remove_if_empty(dir_fd, name, park_fd)
+        finally:
+            os.close(park_fd)
 
 
-_libc_renameat2: Callable[[int, bytes, int, bytes, int], int] | None = None
+def _by_engine(entries: Iterable[ScanEntry]) -> dict[str, list[ScanEntry]]:
+    groups: dict[str, list[ScanEntry]] = {}
+    for e in entries:
+        groups.setdefault(e.engine_id, []).append(e)
+    return groups
 
 
-def _rename_noreplace(dir_fd: int, old: str, new: str) -> None:
-    """``renameat2(dir_fd, old, dir_fd, new, RENAME_NOREPLACE)``: fails rather than replace."""
-    global _libc_renameat2
-    if _libc_renameat2 is None:
-        import ctypes
+def _settle_parked(
+    dir_fd: int,
+    park_fd: int,
+    park_name: str,
+    e: ScanEntry,
+    remove: bool,
+    removed: list[ScanEntry],
+    kept: list[ScanEntry],
+    restored: list[ScanEntry],
+) -> None:
+    why = "a dead reap left it parked; "
+    if remove:
+        problem = _remove_parked(park_fd, e)
+        if problem is None:
+            removed.append(_kept(e, Status.ORPHANED, f"{why}proven dead again and removed"))
+            return
+        why += f"not removed ({problem}); "
+    try:
+        park.renameat2(park_fd, e.name, dir_fd, e.name)
+    except FileNotFoundError:
+        kept.append(_kept(e, Status.ORPHANED, _GONE))
+        return
+    except OSError as err:
+        taken = "another file took its name" if err.errno == errno.EEXIST else _errname(err)
+        kept.append(
+            _kept(
+                e,
+                Status.PARKED,
+                f"conflict: {why}it could not be given back ({taken}); "
+                f"it waits in {park_name}, nothing removed",
+            )
+        )
+        return
+    restored.append(_kept(e, e.parked.verdict if e.parked else Status.UNKNOWN, f"{why}given back its name"))
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        function = getattr(libc, "renameat2", None)
-        if function is None:
-            raise OSError(errno.ENOSYS, "renameat2 is not in this libc")
-        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        function.restype = ctypes.c_int
-        _libc_renameat2 = function
-    encode = os.fsencode
-    if _libc_renameat2(dir_fd, encode(old), dir_fd, encode(new), _RENAME_NOREPLACE) != 0:
-        import ctypes
 
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), old)
+def _remove_parked(park_fd: int, e: ScanEntry) -> str | None:
+    """Prove a parked file dead under its lease and unlink it; None when done, else why not."""
+    try:
+        fd = open_probe_fd(park_fd, e.name)
+    except OSError as err:
+        return f"cannot open it ({_errname(err)})"
+    try:
+        if os.fstat(fd).st_ino != e.ino:
+            return "another file has its name in the park directory"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return "its lock is held"
+        fsuid = os.geteuid()
+        answer = lease.take(fd, e.uid, fsuid)
+        if not answer.free:
+            return _lease_refusal(answer)
+        try:
+            if lease.contested(fd, e.uid, fsuid):
+                return "opened as we looked"
+            return park.unlink_proven(park_fd, e.name, e.identity, fd)
+        finally:
+            lease.release(fd)
+    finally:
+        os.close(fd)
 
 
 def reap_command(root: Path, engine_id: str) -> str:

@@ -34,6 +34,7 @@ probe its lease and lock and read its owner record.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import os
@@ -45,7 +46,7 @@ from pathlib import Path
 
 from kvoffload import procfs
 from kvoffload.errors import ConfigError, RootError
-from kvoffload.liveness import lease, lock, prober
+from kvoffload.liveness import lease, lock, park, prober
 from kvoffload.liveness.holders import DeletedMapping, Holder, HolderIndex, Uninspected, collect_holders
 from kvoffload.liveness.lease import LeaseProbe, LeaseState
 from kvoffload.liveness.namespace import Visibility, visibility
@@ -69,6 +70,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "Evidence",
     "OwnerView",
+    "ParkView",
+    "ParkedView",
     "ScanEntry",
     "ScanReport",
     "ScanSummary",
@@ -82,7 +85,9 @@ DEFAULT_GRACE_S = 30.0
 #: 2: entries gained ``lease``, ``lease_error`` and ``decided_by``; the report ``visibility``.
 #: 3: ``age_s`` counts from mtime (as ``ls``), unrounded; entries gained ``mtime_ns``.
 #: 4: the scan report gained ``huge_pages`` (the root's mount and its huge pages, as the plan's).
-SCHEMA_VERSION = 4
+#: 5: the status ``parked`` and entries' ``parked``; the report ``parks`` and
+#: ``lease_break_time_s``; the summary ``parked`` and ``parked_resident_bytes``.
+SCHEMA_VERSION = 5
 _REMOVED = "removed during the scan"
 _PROBE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 #: Another prober (a concurrent scan or reap) holds its lease for microseconds; an open
@@ -104,6 +109,42 @@ class OwnerView:
     created_at: float
     alive: bool | None
     liveness: str
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedView:
+    """A file a reaper moved into its park directory (``park``), and what becomes of it.
+
+    ``action``: ``left to its reaper`` (its reaper runs: it removes the file or gives it
+    back itself), ``restore`` (in use, or not provably dead: ``reap`` renames it back to its
+    name), ``remove`` (proven dead: ``reap`` removes it, as its region), ``conflict`` (not
+    provably dead and its name now holds another file, ``name_taken_by``: both are kept,
+    nothing is removed; see the reap protocol in docs).
+    """
+
+    directory: str
+    reaper_pid: int | None
+    reaper_start_ticks: int | None
+    reaper_running: bool
+    #: What the evidence says of the file itself (no grace period: it was proven dead once).
+    verdict: Status
+    action: str
+    #: ``(st_dev, st_ino)`` of whatever holds the original name now, if anything does.
+    name_taken_by: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParkView:
+    """A reaper's park directory in the root (``.shmctl-park-<pid>-<start ticks>-<random>``)."""
+
+    name: str
+    uid: int
+    reaper_pid: int | None
+    reaper_start_ticks: int | None
+    #: True while its lock is held (its reaper, or another reap adopting it, is at work).
+    running: bool | None
+    files: int
+    problem: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +180,8 @@ class ScanEntry:
     decided_by: Evidence = Evidence.FILE
     #: The file's mtime, exact (``st_mtime_ns``).
     mtime_ns: int = 0
+    #: Set for ``parked`` entries: ``name`` is then the original name, ``path`` where it waits.
+    parked: ParkedView | None = None
 
     @property
     def identity(self) -> tuple[int, int]:
@@ -160,6 +203,8 @@ class ScanSummary:
     resident_bytes: int
     uninspected_processes: int
     unknown_resident_bytes: int = 0
+    parked: int = 0
+    parked_resident_bytes: int = 0
 
     @classmethod
     def of(cls, entries: tuple[ScanEntry, ...], uninspected: int) -> ScanSummary:
@@ -179,6 +224,8 @@ class ScanSummary:
             resident_bytes=sum(e.resident_bytes for e in entries if e.status is not Status.SKIPPED),
             uninspected_processes=uninspected,
             unknown_resident_bytes=sum(e.resident_bytes for e in entries if e.status is Status.UNKNOWN),
+            parked=count[Status.PARKED],
+            parked_resident_bytes=sum(e.resident_bytes for e in entries if e.status is Status.PARKED),
         )
 
 
@@ -205,6 +252,10 @@ class ScanReport:
     #: How the root's mount backs region files (huge pages or 4 KiB ones), and the fix, as
     #: ``shmctl init --dry-run`` reports it; None for reports made without looking.
     huge_pages: HugePages | None = None
+    #: Park directories of reapers (running, or dead and left behind) found in the root.
+    parks: tuple[ParkView, ...] = ()
+    #: ``fs.lease-break-time``: how long an opener may wait on a lease whose holder is frozen.
+    lease_break_time_s: float | None = None
 
     @property
     def blind_spots(self) -> tuple[Uninspected, ...]:
@@ -318,7 +369,7 @@ def scan(
     root = Path(root)
     with open_root(root, root_fd) as dir_fd, lease.sigio_ignored() as unsafe:
         lease_off = lease.DISABLED if not use_lease else None if unsafe is None else LeaseProbe(None, unsafe)
-        listed = _list_regions(root, dir_fd)
+        listed, park_names = _list_regions(root, dir_fd)
         regions = _Sorted.of(listed, None if all_users else {euid})
         root_dev = os.fstat(dir_fd).st_dev
         devices = {root_dev} | {item.st.st_dev for item in listed}
@@ -341,6 +392,19 @@ def scan(
         entries = _judge(
             root, listed, regions, probes, index, view, when=when, grace_s=grace_s, proc_root=proc_root
         )
+        parks: tuple[ParkView, ...] = ()
+        if park_names:
+            parks, parked = _judge_parks(
+                root,
+                dir_fd,
+                park_names,
+                index,
+                view,
+                probe_args=(lease_off, euid),
+                when=when,
+                all_users=all_users,
+            )
+            entries = tuple(sorted(entries + parked, key=lambda e: (e.engine_id, e.segment, e.name)))
     return ScanReport(
         schema_version=SCHEMA_VERSION,
         root=root,
@@ -354,18 +418,31 @@ def scan(
         visibility=view.visibility,
         lease_enabled=lease_off is None,
         huge_pages=mounts.check_huge_pages(root),
+        parks=parks,
+        lease_break_time_s=_lease_break_time(proc_root),
     )
 
 
-def _list_regions(root: Path, dir_fd: int) -> list[_Listed]:
+def _lease_break_time(proc_root: Path) -> float | None:
+    try:
+        return float((proc_root / "sys/fs/lease-break-time").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _list_regions(root: Path, dir_fd: int) -> tuple[list[_Listed], list[str]]:
+    """The region-pattern entries of the root (lstat'ed), and the names of park directories."""
     try:
         entry_names = os.listdir(dir_fd)
     except OSError as e:
         raise RootError(root, f"cannot list: {e.strerror}", fix="run as root or the regions' owner") from None
     listed = []
+    park_names = []
     for name in sorted(entry_names):
         region = names.parse(name)
         if region is None:
+            if park.is_park_name(name):
+                park_names.append(name)
             continue
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -376,7 +453,7 @@ def _list_regions(root: Path, dir_fd: int) -> list[_Listed]:
                 root, "permission denied on its entries", fix="the directory needs search (x) permission"
             ) from None
         listed.append(_Listed(name, region, st))
-    return listed
+    return listed, park_names
 
 
 _KINDS = {
@@ -648,3 +725,154 @@ def _entry(
         lease_error=answer.error,
         decided_by=decided_by,
     )
+
+
+def _judge_parks(
+    root: Path,
+    dir_fd: int,
+    park_names: list[str],
+    index: HolderIndex,
+    view: ScannerView,
+    *,
+    probe_args: tuple[LeaseProbe | None, int],
+    when: float,
+    all_users: bool,
+) -> tuple[tuple[ParkView, ...], tuple[ScanEntry, ...]]:
+    """Every park directory of the root, and a ``parked`` entry for each region file in it.
+
+    A parked file is judged on the same evidence as any region file, but with no grace
+    period (its reaper proved it dead once, and renaming it changed its ctime) and never as
+    ``orphaned``: its status is ``parked``, and what the evidence says decides the action
+    ``reap`` takes (``ParkedView``).
+    """
+    lease_off, euid = probe_args
+    views: list[ParkView] = []
+    entries: list[ScanEntry] = []
+    for name in park_names:
+        found = park.inspect_park(dir_fd, name)
+        if found is None:
+            continue
+        reaper = found.reaper
+        views.append(
+            ParkView(
+                name=name,
+                uid=found.uid,
+                reaper_pid=reaper.pid if reaper else None,
+                reaper_start_ticks=reaper.start_ticks if reaper else None,
+                running=found.running,
+                files=len(found.files or ()),
+                problem=found.problem,
+            )
+        )
+        if not found.files:
+            continue
+        try:
+            park_fd = park.open_park(dir_fd, name)
+        except OSError:
+            continue
+        try:
+            entries.extend(
+                _judge_parked(root, dir_fd, park_fd, found, index, view, lease_off, euid, when, all_users)
+            )
+        finally:
+            os.close(park_fd)
+    return tuple(views), tuple(entries)
+
+
+def _judge_parked(
+    root: Path,
+    dir_fd: int,
+    park_fd: int,
+    found: park.FoundPark,
+    index: HolderIndex,
+    view: ScannerView,
+    lease_off: LeaseProbe | None,
+    euid: int,
+    when: float,
+    all_users: bool,
+) -> list[ScanEntry]:
+    listed = []
+    for name in found.files or ():
+        region = names.parse(name)
+        if region is None:
+            continue
+        try:
+            st = os.stat(name, dir_fd=park_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        listed.append(_Listed(name, region, st))
+    groups = _Sorted.of(listed, None if all_users else {euid})
+    reaper = found.reaper
+    running = found.running is not False  # unreadable lock state: as if it ran (hands off)
+    folder = _child_path(root, found.name)
+    entries = []
+    for group in groups.groups.values():
+        members = group.members + [
+            m for m in listed if m.name in groups.skipped and m.region.engine_id == group.engine_id
+        ]
+        probes = (
+            {} if running or group.skipped else {m.name: _probe(park_fd, m, lease_off, euid) for m in members}
+        )
+        if running:
+            verdict_status, why = Status.UNKNOWN, "its reaper is still at work"
+        elif group.skipped:
+            verdict_status, why = Status.UNKNOWN, f"not ours to judge ({group.skipped[0][1]})"
+        else:
+            verdict = decide(
+                [
+                    FileEvidence(
+                        m.name,
+                        index.holders.get((m.st.st_dev, m.st.st_ino), ()),
+                        probes[m.name].lock_held,
+                        probes[m.name].lease,
+                        (m.st.st_dev, m.st.st_ino) in index.anonymous_locks,
+                        probes[m.name].problem,
+                    )
+                    for m in members
+                ],
+                view,
+                owner=None,
+                base_empty=False,
+                age=float("inf"),
+                grace_s=0.0,
+            )
+            verdict_status, why = verdict.status, verdict.reason
+        for m in members:
+            taken = _taken_by(dir_fd, m.name)
+            if running:
+                action = "left to its reaper"
+            elif verdict_status is Status.ORPHANED:
+                action = "remove"
+            elif taken is not None:
+                action = "conflict"
+            else:
+                action = "restore"
+            who = f"reap pid {reaper.pid}" if reaper else "a reap"
+            state = "running" if running else "dead"
+            reason = f"parked by {who} ({state}) in {found.name}: {why}; {action}"
+            if taken is not None:
+                reason += f" (its name now holds inode {taken[1]})"
+            entry = _entry(folder, m, Status.PARKED, reason, when, index, probe=probes.get(m.name))
+            entries.append(
+                dataclasses.replace(
+                    entry,
+                    parked=ParkedView(
+                        directory=found.name,
+                        reaper_pid=reaper.pid if reaper else None,
+                        reaper_start_ticks=reaper.start_ticks if reaper else None,
+                        reaper_running=running,
+                        verdict=verdict_status,
+                        action=action,
+                        name_taken_by=taken,
+                    ),
+                )
+            )
+    return entries
+
+
+def _taken_by(dir_fd: int, name: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)

@@ -43,6 +43,8 @@ class Status(StrEnum):
     STARTING = "starting"
     UNKNOWN = "unknown"
     SKIPPED = "skipped"
+    #: In a reaper's park directory (``park``): on its way out, or back to its name.
+    PARKED = "parked"
 
 
 class Evidence(StrEnum):

@@ -1,6 +1,7 @@
 """``shmctl scan``: which region files are live, orphaned, starting, unknown or skipped.
 
-Exit status: 0 nothing orphaned, 1 orphans found, 2 usage, 3 the root cannot be read.
+Exit status: 0 nothing orphaned, 1 orphans found (or files a dead reap left parked), 2 usage,
+3 the root cannot be read.
 """
 
 from __future__ import annotations
@@ -122,7 +123,9 @@ def scan(
         exact_bytes=exact_bytes,
         headers=not no_headers,
     )
-    raise typer.Exit(ExitStatus.FINDINGS if report.with_status(Status.ORPHANED) else ExitStatus.OK)
+    unsettled = any(e.parked is not None and not e.parked.reaper_running for e in report.entries)
+    found = unsettled or bool(report.with_status(Status.ORPHANED))
+    raise typer.Exit(ExitStatus.FINDINGS if found else ExitStatus.OK)
 
 
 def register(app: typer.Typer) -> None:

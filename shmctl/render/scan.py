@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # annotations only: `shmctl scan` never imports the reaper
 
 STYLE = {
     Status.ORPHANED: "bold red",
+    Status.PARKED: "magenta",
     Status.UNKNOWN: "yellow",
     Status.STARTING: "cyan",
     Status.LIVE: "green",
@@ -329,12 +330,14 @@ def reap_report(
         emit_json(report)
         return
     rows = _reap_rows("would-remove" if report.dry_run else "removed", report.removed, exact=exact_bytes)
+    rows += _reap_rows("restored", report.restored, exact=exact_bytes)
+    rows += _reap_rows("parked", report.parked, exact=exact_bytes)
     rows += _reap_rows("kept", report.kept, exact=exact_bytes)
     if rows:
         write_table(REAP_COLUMNS, rows, headers=headers)
     files = len(report.removed)
     freed = amount_text(report.freed_bytes, exact=exact_bytes)
-    if not files and not report.kept:
+    if not files and not report.kept and not report.restored and not report.parked:
         if report.filtered_out:
             line = "nothing to reap" + _filter_notes(report, filters_text, exact=exact_bytes)
         else:
@@ -342,8 +345,15 @@ def reap_report(
     else:
         verb = "would remove" if report.dry_run else "removed"
         line = f"{verb} {files} file(s), {'freeing' if report.dry_run else 'freed'} {freed}"
-        if report.kept:
-            line += f"; kept {len(report.kept)} that changed since the plan"
+        if report.restored:
+            line += f"; gave {len(report.restored)} parked file(s) back their names"
+        if report.parked:
+            line += f"; {len(report.parked)} file(s) left parked by a dead reap to settle"
+        kept = len(report.kept) - len(report.conflicts)
+        if kept:
+            line += f"; kept {kept} that changed since the plan"
+        if report.conflicts:
+            line += f"; {len(report.conflicts)} conflict(s): parked, name taken, nothing removed"
         line += _filter_notes(report, filters_text, exact=exact_bytes)
     _summary(line, headers=headers)
 
