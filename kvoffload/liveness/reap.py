@@ -333,16 +333,18 @@ def _reap_root(
     # What dead reapers left parked: settled first, whatever the filters (a live file must get
     # its name back at once); only the filters' engines are removed, the rest given back.
     parked = tuple(e for e in report.entries if e.parked is not None and not e.parked.reaper_running)
+    empty = [p.name for p in report.parks if p.running is False and p.files == 0 and p.problem is None]
     restored: list[ScanEntry] = []
     if dry_run:
         removed: list[ScanEntry] = list(chosen)
     else:
         removed = []
         with lease.sigio_ignored():
-            if parked:
+            if parked or empty:
                 _recover(
                     dir_fd,
                     parked,
+                    empty=empty,
                     remove_engines=filters.matches_engine if only is None else lambda _: False,
                     use_lease=report.lease_enabled,
                     removed=removed,
@@ -720,6 +722,7 @@ def _recover(
     dir_fd: int,
     parked: Sequence[ScanEntry],
     *,
+    empty: Sequence[str] = (),
     remove_engines: Callable[[str], bool],
     use_lease: bool,
     removed: list[ScanEntry],
@@ -734,8 +737,9 @@ def _recover(
     lease and unlinked; any other file, or a file whose proof fails now, is renamed back to its
     name, and a name taken meanwhile is a conflict (both kept). Removing needs a lease: without
     one, a dead parked file goes back to its name, where an ordinary reap judges it.
+    ``empty`` names dead reapers' park directories with nothing left in them: removed.
     """
-    by_dir: dict[str, list[ScanEntry]] = {}
+    by_dir: dict[str, list[ScanEntry]] = {name: [] for name in empty}
     for e in parked:
         assert e.parked is not None
         by_dir.setdefault(e.parked.directory, []).append(e)
