@@ -339,6 +339,8 @@ def test_a_signal_ends_the_agent_with_status_0_within_a_second(
 
 
 def watcher(root: Path, *, reap_: bool = True) -> tuple[Watcher, list[Any]]:
+    """A one-root watcher; with ``reap_`` the root must be on a tmpfs (the ``root`` fixture) for
+    anything to go: elsewhere removal is refused (``test_watch_roots``)."""
     seen: list[Any] = []
     config = WatchConfig(roots=(str(root),), interval_s=0, reap=reap_, grace_s=0)
     return Watcher(config, on_event=seen.append), seen
@@ -349,10 +351,10 @@ def removed_in(report: PassReport) -> list[str]:
 
 
 def test_an_orphan_goes_in_the_second_pass_that_finds_it_orphaned_and_not_before(
-    tmp_path: Path, engine_id: str
+    root: Path, engine_id: str
 ) -> None:
-    path = write_file(region_path(tmp_path, engine_id), touch=2)
-    w, seen = watcher(tmp_path)
+    path = write_file(region_path(root, engine_id), touch=2)
+    w, seen = watcher(root)
 
     first = w.run_pass()
     assert path.exists()
@@ -366,13 +368,13 @@ def test_an_orphan_goes_in_the_second_pass_that_finds_it_orphaned_and_not_before
     ]
 
 
-def test_a_name_that_now_names_another_inode_starts_over(tmp_path: Path, engine_id: str) -> None:
-    path = write_file(region_path(tmp_path, engine_id))
-    w, _ = watcher(tmp_path)
+def test_a_name_that_now_names_another_inode_starts_over(root: Path, engine_id: str) -> None:
+    path = write_file(region_path(root, engine_id))
+    w, _ = watcher(root)
     w.run_pass()
     # Another engine's file under the same name (created before the old one goes, so the
     # filesystem cannot hand out the same inode number again): not the last pass's orphan.
-    os.replace(write_file(tmp_path / "new"), path)
+    os.replace(write_file(root / "new"), path)
 
     assert removed_in(w.run_pass()) == []
     assert path.exists()
@@ -380,10 +382,10 @@ def test_a_name_that_now_names_another_inode_starts_over(tmp_path: Path, engine_
 
 
 def test_a_region_live_in_the_last_pass_is_not_removed_in_the_first_pass_it_is_dead(
-    tmp_path: Path, engine_id: str
+    root: Path, engine_id: str
 ) -> None:
-    path = region_path(tmp_path, engine_id)
-    w, _ = watcher(tmp_path)
+    path = region_path(root, engine_id)
+    w, _ = watcher(root)
     with Child("vllm", path) as engine:
         assert removed_in(w.run_pass()) == []
         engine.kill()
@@ -392,9 +394,9 @@ def test_a_region_live_in_the_last_pass_is_not_removed_in_the_first_pass_it_is_d
     assert removed_in(w.run_pass()) == [path.name]
 
 
-def test_a_live_region_is_never_removed_however_many_passes(tmp_path: Path, engine_id: str) -> None:
-    path = region_path(tmp_path, engine_id)
-    w, _ = watcher(tmp_path)
+def test_a_live_region_is_never_removed_however_many_passes(root: Path, engine_id: str) -> None:
+    path = region_path(root, engine_id)
+    w, _ = watcher(root)
     with Child("map-only", write_file(path)):
         for _ in range(5):
             assert removed_in(w.run_pass()) == []
@@ -402,19 +404,19 @@ def test_a_live_region_is_never_removed_however_many_passes(tmp_path: Path, engi
     path.unlink()
 
 
-def test_without_reap_nothing_is_removed(tmp_path: Path, engine_id: str) -> None:
-    path = write_file(region_path(tmp_path, engine_id))
-    w, _ = watcher(tmp_path, reap_=False)
+def test_without_reap_nothing_is_removed(root: Path, engine_id: str) -> None:
+    path = write_file(region_path(root, engine_id))
+    w, _ = watcher(root, reap_=False)
     for _ in range(3):
         w.run_pass()
     assert path.exists()
     path.unlink()
 
 
-def test_an_unknown_region_is_kept_and_told_once(tmp_path: Path, engine_id: str) -> None:
-    path = write_file(region_path(tmp_path, engine_id), touch=1)
+def test_an_unknown_region_is_kept_and_told_once(root: Path, tmp_path: Path, engine_id: str) -> None:
+    path = write_file(region_path(root, engine_id), touch=1)
     config = WatchConfig(
-        roots=(str(tmp_path),),
+        roots=(str(root),),
         interval_s=0,
         reap=True,
         grace_s=0,
@@ -483,8 +485,8 @@ def test_the_loop_stops_between_roots_when_asked(tmp_path: Path) -> None:
     assert w.passes == 1
 
 
-def test_reap_stops_between_regions_and_keeps_the_rest_orphaned(tmp_path: Path, engine_id: str) -> None:
-    paths = [write_file(region_path(tmp_path, f"{engine_id}-{i}")) for i in range(3)]
+def test_reap_stops_between_regions_and_keeps_the_rest_orphaned(root: Path, engine_id: str) -> None:
+    paths = [write_file(region_path(root, f"{engine_id}-{i}")) for i in range(3)]
     asked = 0
 
     def after_one() -> bool:
@@ -492,7 +494,7 @@ def test_reap_stops_between_regions_and_keeps_the_rest_orphaned(tmp_path: Path, 
         asked += 1
         return asked > 1
 
-    done = reap(tmp_path, grace_s=0, should_stop=after_one)
+    done = reap(root, grace_s=0, should_stop=after_one)
 
     assert [e.name for e in done.removed] == [paths[0].name]
     assert sorted(e.name for e in done.kept) == [p.name for p in paths[1:]]
@@ -569,17 +571,17 @@ def test_a_port_in_use_is_a_usage_error_before_anything_is_removed(tmp_path: Pat
 
 
 def test_two_passes_on_the_command_line_reap_an_orphan_and_every_line_is_an_event(
-    tmp_path: Path, engine_id: str
+    root: Path, engine_id: str
 ) -> None:
-    orphan = write_file(region_path(tmp_path, engine_id), touch=3)
-    once = shmctl("watch", "--root", str(tmp_path), "--grace", "0s", "--reap", "--once")
+    orphan = write_file(region_path(root, engine_id), touch=3)
+    once = shmctl("watch", "--root", str(root), "--grace", "0s", "--reap", "--once")
     assert once.returncode == 0, once.stderr
     assert orphan.exists(), "one pass never removes anything"
 
     result = shmctl(
         "watch",
         "--root",
-        str(tmp_path),
+        str(root),
         "--grace",
         "0s",
         "--reap",
@@ -598,7 +600,7 @@ def test_two_passes_on_the_command_line_reap_an_orphan_and_every_line_is_an_even
     assert events[2] == {
         "event": "removed",
         "time": events[2]["time"],
-        "root": str(tmp_path),
+        "root": str(root),
         "pod_uid": None,
         "engine_id": engine_id,
         "bytes": 3 * PAGE,
@@ -617,9 +619,9 @@ def test_listen_addresses_parse_as_host_and_port() -> None:
 
 
 def test_with_reap_every_root_counts_from_0_and_a_vanished_roots_series_go(
-    tmp_path: Path, engine_id: str
+    root: Path, engine_id: str
 ) -> None:
-    pods = tmp_path / "pods"
+    pods = root / "pods"
     clean, leaky = pods / "clean" / "volumes" / "v", pods / "leaky" / "volumes" / "v"
     clean.mkdir(parents=True)
     leaky.mkdir(parents=True)

@@ -345,7 +345,7 @@ def _reap_root(
                     dir_fd,
                     parked,
                     empty=empty,
-                    remove_engines=filters.matches_engine if only is None else lambda _: False,
+                    remove_engines=filters.matches_engine,
                     use_lease=report.lease_enabled,
                     removed=removed,
                     kept=kept,

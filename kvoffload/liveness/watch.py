@@ -2,7 +2,7 @@
 
 One GPU node runs many engines, each pod's ``/dev/shm`` its own tmpfs (a Kubernetes
 ``emptyDir`` with ``medium: Memory``, under ``/var/lib/kubelet/pods/UID/volumes/...``). A
-``Watcher`` expands its root globs every pass, scans every directory they match with the
+``Watcher`` matches its root globs every pass, scans every directory they match with the
 same evidence as ``scan`` and, with ``reap``, removes the regions that were ``orphaned`` with
 the very same ``(st_dev, st_ino)`` files in the previous pass too.
 
@@ -19,6 +19,17 @@ Invariants:
   nominations, its series) is dropped, so memory stays flat while pods come and go.
 * Stopping (``should_stop``) is honoured between roots and, inside a reap, between
   regions: what has begun is finished, nothing is left half-removed.
+* Roots have borders (``docs/watch-roots.md``). A path the operator gave is resolved once,
+  when the ``Watcher`` is made (``root_resolved`` says so where a symlink was in it); every
+  pass opens it again with no symlink allowed anywhere in it. Below a glob's fixed part no
+  symlink is followed at all: each component is listed and opened relative to its parent's
+  fd with ``O_NOFOLLOW``, so a match that is a symlink (one an unprivileged user planted in
+  a sticky world-writable directory, say) is never a root. The scan and the reap act on the
+  root's directory fd (``root_fd``), never on its path again; one root is open at a time.
+* A root is pinned by ``(st_dev, st_ino, mount id)`` when first seen: another directory at
+  its path is a new root (``root_replaced``), and nothing nominated in the old one carries over.
+* Removal happens only on a tmpfs or hugetlbfs unless ``any_filesystem``: elsewhere the
+  root is scanned and ``removal_refused`` says why nothing goes.
 
 The loop is meant for the main thread: it enters ``lease.sigio_ignored()`` once for all its
 passes (only the main thread may ignore ``SIGIO``). Elsewhere the scans run without leases,
@@ -30,12 +41,15 @@ Events are values (the dataclasses below); the caller renders them. Nothing here
 from __future__ import annotations
 
 import contextlib
+import errno
+import fnmatch
+import functools
 import glob
 import os
 import re
-import shutil
+import stat
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -44,8 +58,10 @@ from kvoffload import procfs
 from kvoffload.errors import ConfigError, KvOffloadError, RootError
 from kvoffload.liveness import lease
 from kvoffload.liveness.holders import HolderIndex, collect_holders
+from kvoffload.liveness.park import PARK_PREFIX
 from kvoffload.liveness.reap import ReapReport, reap
 from kvoffload.liveness.scan import DEFAULT_ROOT, SCHEMA_VERSION, ScanEntry, ScanReport, Status, scan
+from kvoffload.shm import mounts
 
 __all__ = [
     "DEFAULT_GRACE_S",
@@ -53,17 +69,23 @@ __all__ = [
     "KUBELET_ROOTS",
     "Event",
     "KeptUnknown",
+    "ParkedSettled",
     "PassReport",
     "PassSummary",
+    "RemovalRefused",
     "Removed",
     "RootAppeared",
+    "RootIdentity",
     "RootPass",
+    "RootReplaced",
+    "RootResolved",
     "RootUnreadable",
     "RootVanished",
     "Usage",
     "WatchConfig",
     "Watcher",
     "pod_uid_of",
+    "root_identity",
 ]
 
 DEFAULT_INTERVAL_S = 60.0
@@ -74,6 +96,12 @@ KUBELET_ROOTS = "/var/lib/kubelet/pods/*/volumes/kubernetes.io~empty-dir/*"
 _POD_UID = re.compile(r"/pods/([^/]+)/volumes/")
 #: How long the loop sleeps at most before it looks at ``should_stop`` again.
 _STOP_POLL_S = 0.05
+#: A reaper's private park directories: never a root.
+_PARK_PREFIX = PARK_PREFIX
+#: A root itself: listed by the scan, so readable; never through a symlink.
+_ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: A directory only passed through: search permission is enough, as for a path lookup.
+_PASS_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 Identities = frozenset[tuple[int, int]]
 
@@ -96,6 +124,8 @@ class WatchConfig:
     assume_not_holding: frozenset[int] = frozenset()
     use_lease: bool = True
     proc_root: Path = procfs.PROC_ROOT
+    #: Remove on any filesystem, not only a tmpfs or hugetlbfs (``--any-filesystem``).
+    any_filesystem: bool = False
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -123,29 +153,276 @@ def _check_pattern(pattern: str) -> None:
     if not pattern.startswith("/"):
         # An agent's working directory means nothing: a relative glob would watch whatever it is.
         raise ConfigError("--root", f"{pattern!r} is not an absolute path", fix=example)
+    names = _components(pattern)
+    if any(name.startswith(_PARK_PREFIX) for name in names):
+        raise ConfigError(
+            "--root",
+            f"{pattern!r} names a reaper's private park directory ({_PARK_PREFIX}*), never a root",
+            fix=example,
+        )
+    fixed = _fixed_length(names)
+    if ".." in names[fixed:]:
+        # Below the fixed part every component is opened relative to its parent: ".." would
+        # climb out of what the glob matched.
+        raise ConfigError(
+            "--root",
+            f"{pattern!r} has '..' below its first glob character",
+            fix="write the path without '..'",
+        )
 
 
-def literal_roots(patterns: Collection[str]) -> frozenset[Path]:
-    """The patterns without glob characters: roots watched whether or not they exist."""
-    return frozenset(Path(p) for p in patterns if not glob.has_magic(p))
+def _components(path: str) -> list[str]:
+    """The names of an absolute path, without the empty and ``.`` ones."""
+    return [name for name in path.split("/") if name not in ("", ".")]
 
 
-def expand_roots(patterns: Collection[str]) -> list[Path]:
-    """The directories the patterns match now, in order, each once.
+def _fixed_length(names: list[str]) -> int:
+    """How many leading names hold no glob character: a glob's fixed part (all of a plain path)."""
+    return next((i for i, name in enumerate(names) if glob.has_magic(name)), len(names))
 
-    A pattern without glob characters names its root whether or not it exists (a missing
-    ``/dev/shm`` is an error to report, not a root that went away); a glob names what it
-    matches (a deleted pod's volume simply stops matching).
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One component of a glob below its fixed part."""
+
+    name: str
+    #: The component's glob, compiled once; None for a plain name (opened as it is).
+    match: re.Pattern[str] | None
+
+    @classmethod
+    def of(cls, name: str) -> _Step:
+        return cls(name, re.compile(fnmatch.translate(name)) if glob.has_magic(name) else None)
+
+    def select(self, listed: list[str]) -> list[str]:
+        """The listed names this component matches, sorted; glob's rule for hidden names:
+        ``*``, ``?`` and ``[...]`` match a leading dot only in a component that starts with one."""
+        if self.match is None:
+            return [self.name]
+        hidden = self.name.startswith(".")
+        return sorted(n for n in listed if (hidden or not n.startswith(".")) and self.match.match(n))
+
+
+@dataclass(frozen=True, slots=True)
+class _Pattern:
+    """One ``--root``: its fixed part, resolved once at start, and the glob components below it."""
+
+    #: The fixed part as given: a plain root whole, or a glob's leading components without magic.
+    fixed: Path
+    #: The fixed part as ``realpath`` resolved it when the ``Watcher`` was made, as names from ``/``.
+    resolved: tuple[str, ...]
+    steps: tuple[_Step, ...]
+
+    @classmethod
+    def of(cls, text: str) -> _Pattern:
+        names = _components(text)
+        n = _fixed_length(names)
+        fixed = Path("/", *names[:n])
+        resolved = tuple(_components(os.path.realpath(fixed)))
+        return cls(fixed, resolved, tuple(_Step.of(name) for name in names[n:]))
+
+    @property
+    def literal(self) -> bool:
+        return not self.steps
+
+    @property
+    def target(self) -> Path:
+        return Path("/", *self.resolved)
+
+
+@dataclass(frozen=True, slots=True)
+class _Match:
+    """A root found in this pass: its name, and how to open it again without following a symlink."""
+
+    path: Path
+    pattern: _Pattern
+    #: Its names below the pattern's fixed part (none for a plain root).
+    below: tuple[str, ...]
+    #: Its ``st_dev`` when matched, for the pass's one ``/proc`` walk; None when it could not be read.
+    dev: int | None
+
+
+class _PathError(Exception):
+    """A component of a root's path could not be opened (``symlink``: because it is a symlink)."""
+
+    def __init__(self, where: Path, error: OSError, *, symlink: bool) -> None:
+        super().__init__(f"{where}: {error.strerror or error}")
+        self.where = where
+        self.error = error
+        self.symlink = symlink
+
+    @property
+    def gone(self) -> bool:
+        """Nothing at the name, or no directory there any more: a glob no longer matches it."""
+        return self.symlink or self.error.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+
+
+class _Gone(Exception):
+    """A glob's match is no longer a directory there (removed, or replaced by a symlink or file)."""
+
+
+def _open_below(fd: int, base: Path, names: tuple[str, ...], flags: int) -> int:
+    """Open ``names`` (one or more) one by one below ``fd`` (the directory ``base``), never
+    through a symlink.
+
+    Every component is opened relative to the one before it with ``O_NOFOLLOW``: the
+    kernel then refuses a symlink at each of them, which a path lookup would follow
+    anywhere but in its last component. The last is opened with ``flags``.
     """
-    found: dict[Path, None] = {}
-    for pattern in patterns:
-        if not glob.has_magic(pattern):
-            found.setdefault(Path(pattern), None)
+    current = fd
+    where = base
+    try:
+        for depth, name in enumerate(names, 1):
+            where = where / name
+            try:
+                opened = os.open(name, flags if depth == len(names) else _PASS_FLAGS, dir_fd=current)
+            except OSError as e:
+                raise _PathError(where, e, symlink=_is_symlink(current, name)) from None
+            if current != fd:
+                os.close(current)
+            current = opened
+    except BaseException:
+        if current != fd:
+            os.close(current)
+        raise
+    return current
+
+
+def _open_absolute(names: tuple[str, ...], flags: int) -> int:
+    """Open ``/`` + ``names`` with no symlink allowed anywhere in the path."""
+    try:
+        top = os.open("/", _PASS_FLAGS if names else flags)
+    except OSError as e:
+        raise _PathError(Path("/"), e, symlink=False) from None
+    if not names:
+        return top
+    try:
+        return _open_below(top, Path("/"), names, flags)
+    finally:
+        os.close(top)
+
+
+def _is_symlink(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _walk(
+    fd: int, steps: tuple[_Step, ...], below: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], int]]:
+    """The directories ``steps`` match below ``fd``, as (names, ``st_dev``); never through a symlink.
+
+    One fd per level is open at a time. What cannot be listed or opened matches nothing, as
+    for ``glob``; neither does a symlink, a file, or a reaper's park directory.
+    """
+    step, rest = steps[0], steps[1:]
+    if step.match is None:
+        names = [step.name]
+    else:
+        try:
+            names = step.select(os.listdir(fd))
+        except OSError:
+            return
+    for name in names:
+        if name.startswith(_PARK_PREFIX):
             continue
-        for match in sorted(glob.glob(pattern)):
-            if os.path.isdir(match):
-                found.setdefault(Path(match), None)
-    return list(found)
+        if not rest:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                yield (*below, name), st.st_dev
+            continue
+        try:
+            child = os.open(name, _ROOT_FLAGS if rest[0].match is not None else _PASS_FLAGS, dir_fd=fd)
+        except OSError:
+            continue  # gone, a file, or a symlink (O_NOFOLLOW): nothing below it is a root
+        try:
+            yield from _walk(child, rest, (*below, name))
+        finally:
+            os.close(child)
+
+
+def _root_error(root: Path, error: _PathError) -> RootError:
+    e = error.error
+    if error.symlink:
+        return RootError(
+            root,
+            f"{error.where} is a symbolic link: not followed (a root's path is resolved once, at start)",
+            fix="restart the agent to resolve the path again, or pass the directory itself as --root",
+        )
+    if e.errno == errno.ENOENT:
+        return RootError(root, "does not exist", fix="pass an existing directory as --root")
+    if e.errno == errno.ENOTDIR:
+        return RootError(root, f"{error.where} is not a directory", fix="pass a directory as --root")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return RootError(root, "permission denied", fix="run as root, or as the user that owns the regions")
+    return RootError(root, f"cannot open {error.where}: {e.strerror or e}")
+
+
+def root_identity(fd: int) -> RootIdentity:
+    """The identity of the directory open as ``fd``: its inode and the mount it is reached through."""
+    st = os.fstat(fd)
+    return RootIdentity(st.st_dev, st.st_ino, _mount_id(fd))
+
+
+#: ``statx(2)``: ``STATX_MNT_ID`` (Linux 5.8), ``AT_EMPTY_PATH``, and where ``stx_mnt_id`` sits
+#: in ``struct statx`` (after the timestamps and the device numbers; the same on every ABI).
+_STATX_MNT_ID = 0x1000
+_AT_EMPTY_PATH = 0x1000
+_STX_MNT_ID_OFFSET = 0x90
+_STATX_SIZE = 256
+
+
+@functools.cache
+def _libc_statx() -> Callable[..., int] | None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    statx = getattr(libc, "statx", None)
+    if statx is None:
+        return None
+    statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    statx.restype = ctypes.c_int
+    result: Callable[..., int] = statx
+    return result
+
+
+def _mount_id(fd: int) -> int | None:
+    """The mount id of ``fd`` (as ``/proc/self/mountinfo`` numbers mounts); None where the kernel hides it."""
+    import ctypes
+
+    statx = _libc_statx()
+    if statx is not None:
+        buffer = ctypes.create_string_buffer(_STATX_SIZE)
+        answered = statx(fd, b"", _AT_EMPTY_PATH, _STATX_MNT_ID, buffer) == 0
+        if answered and ctypes.c_uint32.from_buffer(buffer).value & _STATX_MNT_ID:
+            return ctypes.c_uint64.from_buffer(buffer, _STX_MNT_ID_OFFSET).value
+    # Older kernels (before 5.8) tell it only in the fd's info.
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as info:
+            for line in info:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _filesystem_type(fd: int, mount_id: int | None, mountinfo: Path = mounts.MOUNTINFO) -> str:
+    """What ``fd``'s filesystem is, for a person: its type in the mount table, else its magic number."""
+    if mount_id is not None:
+        with contextlib.suppress(OSError):
+            for line in mountinfo.read_bytes().splitlines():
+                fields = line.split()
+                if fields and fields[0] == str(mount_id).encode() and b"-" in fields:
+                    at = fields.index(b"-") + 1
+                    if at < len(fields):
+                        return fields[at].decode(errors="backslashreplace")
+    magic = mounts.filesystem_magic(fd)
+    return "an unknown filesystem" if magic is None else f"filesystem magic {magic:#x}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +462,45 @@ class RootUnreadable(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class RootIdentity:
+    """What a root is, whatever its path names later: its directory's inode and its mount."""
+
+    dev: int
+    ino: int
+    #: The mount's id (``statx``'s ``STATX_MNT_ID``, or ``/proc/self/fdinfo``); None if neither tells.
+    mnt_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RootResolved(Event):
+    """A path the operator gave (a plain root, or a glob's fixed part) held a symlink or ``..``:
+    resolved once, when the agent started, to ``target``; told once. What ``target`` names
+    is what is watched, and never through a symlink again."""
+
+    event: ClassVar[str] = "root_resolved"
+    target: Path = field(kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RootReplaced(Event):
+    """Another directory is at the root's path now (``old`` and ``new`` differ): a new root,
+    whose nominations start over."""
+
+    event: ClassVar[str] = "root_replaced"
+    old: RootIdentity = field(kw_only=True)
+    new: RootIdentity = field(kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RemovalRefused(Event):
+    """With ``--reap``, a root not on a tmpfs or hugetlbfs: scanned, nothing removed. Told once
+    per spell (again when the reason changes)."""
+
+    event: ClassVar[str] = "removal_refused"
+    reason: str = field(kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
 class Removed(Event):
     """One engine's region files removed; ``bytes`` is the resident memory freed."""
 
@@ -200,6 +516,21 @@ class KeptUnknown(Event):
 
     event: ClassVar[str] = "kept_unknown"
     engine_id: str = ""
+    bytes: int = 0
+    files: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedSettled(Event):
+    """Files a dead reaper left parked (docs/reap-protocol.md), given back their names
+    (``action`` ``restored``: in use, or not provably dead), or left parked because their
+    name was taken meanwhile (``conflict``: both files kept). Those proven dead are removed,
+    and told as ``removed``."""
+
+    event: ClassVar[str] = "parked"
+    engine_id: str = ""
+    action: str = ""
     bytes: int = 0
     files: int = 0
     reason: str = ""
@@ -257,6 +588,10 @@ class _RootState:
     unknown: dict[str, Identities] = field(default_factory=dict)
     error: str | None = None
     last_success: float | None = None
+    #: The directory first seen at the root's path (pinned: another one there is a new root).
+    identity: RootIdentity | None = None
+    #: Why removal is refused here, as last told (None while removal is allowed).
+    refused: str | None = None
 
 
 class Watcher:
@@ -277,7 +612,11 @@ class Watcher:
         self._clock = clock
         self._monotonic = monotonic
         self._roots: dict[Path, _RootState] = {}
-        self._literals = literal_roots(config.roots)
+        # Resolved once, here: every pass opens what these name, never through a symlink.
+        self._patterns = tuple(_Pattern.of(p) for p in config.roots)
+        self._resolutions = {
+            pattern.fixed: pattern.target for pattern in self._patterns if pattern.target != pattern.fixed
+        }
         self.passes = 0
         self._holders: HolderIndex | None = None
 
@@ -314,30 +653,37 @@ class Watcher:
         self.passes += 1
         started_at = self._clock()
         started = self._monotonic()
-        matched = expand_roots(self.config.roots)
-        present = set(matched)
-        vanished = [root for root in self._roots if root not in present]
-        for root in vanished:
-            self._vanish(root)
-        for root in matched:
-            if root not in self._roots:
-                state = self._roots[root] = _RootState(pod_uid_of(root))
-                self._emit(RootAppeared(self._clock(), root, state.pod_uid))
-        results: list[RootPass] = []
-        stopped = False
-        # One /proc pass for every root: a node with 100 pod volumes reads each process once a
-        # pass, not once a root. Each root's scan checks that it covers its files' devices.
-        self._holders = self._pass_holders(matched)
-        for root in matched:
-            if self._should_stop():
-                stopped = True
-                break
-            result = self._watch_root(root)
-            if result is None:
-                vanished.append(root)
-            else:
-                results.append(result)
-        self._holders = None  # evidence of this pass only
+        if self.passes == 1:
+            for given, target in self._resolutions.items():
+                self._emit(RootResolved(self._clock(), given, pod_uid_of(given), target=target))
+        # The fixed part of each glob, open for the pass: its matches are found and opened
+        # again below this very directory. One fd per pattern, one more per root being scanned.
+        with contextlib.ExitStack() as bases_open:
+            bases = self._open_bases(bases_open)
+            matched = self._match(bases)
+            present = {m.path for m in matched}
+            vanished = [root for root in self._roots if root not in present]
+            for root in vanished:
+                self._vanish(root)
+            for m in matched:
+                if m.path not in self._roots:
+                    state = self._roots[m.path] = _RootState(pod_uid_of(m.path))
+                    self._emit(RootAppeared(self._clock(), m.path, state.pod_uid))
+            results: list[RootPass] = []
+            stopped = False
+            # One /proc pass for every root: a node with 100 pod volumes reads each process once a
+            # pass, not once a root. Each root's scan checks that it covers its files' devices.
+            self._holders = self._pass_holders(matched)
+            for m in matched:
+                if self._should_stop():
+                    stopped = True
+                    break
+                result = self._watch_root(m, bases)
+                if result is None:
+                    vanished.append(m.path)
+                else:
+                    results.append(result)
+            self._holders = None  # evidence of this pass only
         seconds = self._monotonic() - started
         summary = PassSummary(
             self._clock(),
@@ -362,11 +708,46 @@ class Watcher:
         state = self._roots.pop(root)
         self._emit(RootVanished(self._clock(), root, state.pod_uid))
 
-    def _pass_holders(self, roots: list[Path]) -> HolderIndex | None:
-        devices = set()
-        for root in roots:
-            with contextlib.suppress(OSError):
-                devices.add(os.stat(root).st_dev)
+    def _open_bases(self, stack: contextlib.ExitStack) -> dict[_Pattern, int]:
+        """Each glob's fixed part, as resolved at start, opened with no symlink in its path.
+
+        One that cannot be opened matches nothing this pass, as a glob whose directory is
+        missing matches nothing.
+        """
+        bases: dict[_Pattern, int] = {}
+        for pattern in self._patterns:
+            if pattern.literal or pattern in bases:
+                continue
+            flags = _ROOT_FLAGS if pattern.steps[0].match is not None else _PASS_FLAGS
+            with contextlib.suppress(_PathError):
+                bases[pattern] = _open_absolute(pattern.resolved, flags)
+                stack.callback(os.close, bases[pattern])
+        return bases
+
+    def _match(self, bases: dict[_Pattern, int]) -> list[_Match]:
+        """The roots of this pass, in order, each once.
+
+        A plain root is a root whether or not it exists (a missing ``/dev/shm`` is an error to
+        report, not a root that went away); a glob names the directories it matches (a
+        deleted pod's volume simply stops matching), never a symlink nor anything below one.
+        """
+        found: dict[Path, _Match] = {}
+        for pattern in self._patterns:
+            if pattern.literal:
+                if pattern.fixed not in found:
+                    found[pattern.fixed] = _Match(pattern.fixed, pattern, (), _device(pattern.resolved))
+                continue
+            base = bases.get(pattern)
+            if base is None:
+                continue
+            for below, dev in _walk(base, pattern.steps):
+                path = pattern.fixed.joinpath(*below)
+                if path not in found:
+                    found[path] = _Match(path, pattern, below, dev)
+        return list(found.values())
+
+    def _pass_holders(self, matched: list[_Match]) -> HolderIndex | None:
+        devices = {m.dev for m in matched if m.dev is not None}
         if not devices:
             return None
         try:
@@ -374,7 +755,37 @@ class Watcher:
         except OSError:
             return None  # each root's scan then walks /proc itself and reports what fails
 
-    def _scan(self, root: Path, *, fresh: bool = False) -> ScanReport:
+    @contextlib.contextmanager
+    def _opened(self, match: _Match, bases: dict[_Pattern, int]) -> Iterator[int]:
+        """The root's directory, opened with no symlink on the way; closed when its turn ends.
+
+        Raises ``_Gone`` for a glob's match that is no directory there any more, a
+        ``RootError`` for a root that is there and cannot be opened.
+        """
+        try:
+            if match.pattern.literal:
+                fd = _open_absolute(match.pattern.resolved, _ROOT_FLAGS)
+            else:
+                fd = _open_below(bases[match.pattern], match.pattern.fixed, match.below, _ROOT_FLAGS)
+        except _PathError as error:
+            if not match.pattern.literal and error.gone:
+                raise _Gone from None
+            raise _root_error(match.path, error) from None
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _still_matches(self, match: _Match, bases: dict[_Pattern, int]) -> bool:
+        try:
+            with self._opened(match, bases):
+                return True
+        except _Gone:
+            return False
+        except RootError:
+            return True
+
+    def _scan(self, root: Path, fd: int, *, fresh: bool = False) -> ScanReport:
         config = self.config
         return scan(
             root,
@@ -384,26 +795,37 @@ class Watcher:
             use_lease=config.use_lease,
             proc_root=config.proc_root,
             holders=None if fresh else self._holders,
+            root_fd=fd,
         )
 
-    def _watch_root(self, root: Path) -> RootPass | None:
+    def _watch_root(self, match: _Match, bases: dict[_Pattern, int]) -> RootPass | None:
         """Scan (and reap) one root; None when it vanished under us."""
+        root = match.path
         state = self._roots[root]
         attempted_at = self._clock()
         started = self._monotonic()
         reaped = None
         try:
-            report = self._scan(root)
-            nominated = _nominate(report, state.orphaned) if self.config.reap else {}
-            if nominated and not self._should_stop():
-                reaped = self._reap(report, nominated)
-                self._tell_reaped(root, state, reaped)
-                if reaped.removed:
-                    # The metrics and the next nominations must show the disk as it is now.
-                    report = self._scan(root, fresh=True)
-            usage = _usage(root)
+            with self._opened(match, bases) as fd:
+                self._pin(root, state, fd)
+                removable = self._may_remove(root, state, fd)
+                report = self._scan(root, fd)
+                nominated = _nominate(report, state.orphaned) if removable else {}
+                # What a dead reaper left parked is settled every pass (a live file must get
+                # its name back now; a dead one was proven dead before it was parked, and is
+                # proven dead again under its lease before it goes).
+                if (nominated or (removable and _unsettled(report))) and not self._should_stop():
+                    reaped = self._reap(report, nominated, fd)
+                    self._tell_reaped(root, state, reaped)
+                    if reaped.removed or reaped.restored:
+                        # The metrics and the next nominations must show the disk as it is now.
+                        report = self._scan(root, fd, fresh=True)
+                usage = _usage(root, fd)
+        except _Gone:
+            self._vanish(root)  # no directory at the name any more: the glob does not match it
+            return None
         except (KvOffloadError, OSError) as error:
-            if root not in self._literals and not os.path.isdir(root):
+            if not match.pattern.literal and not self._still_matches(match, bases):
                 self._vanish(root)  # a pod deleted, its volume unmounted and removed mid-pass
                 return None
             problem = _as_root_error(root, error)
@@ -436,7 +858,35 @@ class Watcher:
             reaped=reaped,
         )
 
-    def _reap(self, report: ScanReport, nominated: dict[str, list[ScanEntry]]) -> ReapReport:
+    def _pin(self, root: Path, state: _RootState, fd: int) -> None:
+        """Hold the root to the directory first seen at its path; another one there is a new root."""
+        identity = root_identity(fd)
+        if state.identity is not None and identity != state.identity:
+            self._emit(RootReplaced(self._clock(), root, state.pod_uid, old=state.identity, new=identity))
+            # Nothing seen in the old directory carries over: two passes over this one first.
+            state.orphaned = {}
+            state.unknown = {}
+        state.identity = identity
+
+    def _may_remove(self, root: Path, state: _RootState, fd: int) -> bool:
+        """Whether this pass may remove anything in the root; a refusal is told once per spell."""
+        config = self.config
+        if not config.reap:
+            return False
+        if config.any_filesystem or mounts.memory_filesystem(fd) is not None:
+            state.refused = None
+            return True
+        kind = _filesystem_type(fd, state.identity.mnt_id if state.identity else None)
+        reason = (
+            f"not on a tmpfs or hugetlbfs ({kind}): region files are removed only where they live; "
+            "scanned, nothing removed (pass --any-filesystem to remove anyway)"
+        )
+        if reason != state.refused:
+            state.refused = reason
+            self._emit(RemovalRefused(self._clock(), root, state.pod_uid, reason=reason))
+        return False
+
+    def _reap(self, report: ScanReport, nominated: dict[str, list[ScanEntry]], fd: int) -> ReapReport:
         # ``only`` alone picks the files, by name and inode. No engine filter: it would match
         # through fnmatch, whose pattern cache (32,768 entries) would keep every engine id an
         # agent ever reaped, and engines come and go with new ids for as long as it runs.
@@ -460,9 +910,25 @@ class Watcher:
             proc_root=config.proc_root,
             only=plan,
             should_stop=self._should_stop,
+            root_fd=fd,
+            any_filesystem=config.any_filesystem,
         )
 
     def _tell_reaped(self, root: Path, state: _RootState, reaped: ReapReport) -> None:
+        for action, settled in (("restored", reaped.restored), ("conflict", reaped.conflicts)):
+            for engine_id, entries in _by_engine(settled).items():
+                self._emit(
+                    ParkedSettled(
+                        self._clock(),
+                        root,
+                        state.pod_uid,
+                        engine_id=engine_id,
+                        action=action,
+                        bytes=sum(e.resident_bytes for e in entries),
+                        files=len(entries),
+                        reason=entries[0].reason,
+                    )
+                )
         for engine_id, entries in _by_engine(reaped.removed).items():
             files = len(entries)
             freed = sum(e.resident_bytes for e in entries)
@@ -506,6 +972,11 @@ class Watcher:
         state.unknown = now
 
 
+def _unsettled(report: ScanReport) -> bool:
+    """Did a dead reaper leave anything in this root (parked files, an empty park directory)?"""
+    return any(p.running is False for p in report.parks)
+
+
 def _by_engine(entries: tuple[ScanEntry, ...]) -> dict[str, list[ScanEntry]]:
     groups: dict[str, list[ScanEntry]] = {}
     for e in entries:
@@ -530,12 +1001,25 @@ def _nominate(report: ScanReport, before: dict[str, Identities]) -> dict[str, li
     return {engine: groups[engine] for engine, ids in now.items() if before.get(engine) == ids}
 
 
-def _usage(root: Path) -> Usage:
+def _usage(root: Path, fd: int) -> Usage:
+    """What ``shutil.disk_usage`` gives, read from the root's fd (never its path again)."""
     try:
-        usage = shutil.disk_usage(root)
-    except OSError as e:  # unmounted or removed since the scan opened it
+        vfs = os.fstatvfs(fd)
+    except OSError as e:
         raise RootError(root, f"cannot read its filesystem's size: {e.strerror or e}") from None
-    return Usage(usage.total, usage.free)
+    return Usage(vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize)
+
+
+def _device(names: tuple[str, ...]) -> int | None:
+    """``st_dev`` of ``/`` + ``names``, opened with no symlink on the way; None if it cannot be."""
+    try:
+        fd = _open_absolute(names, _PASS_FLAGS)
+    except _PathError:
+        return None
+    try:
+        return os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
 
 
 def _as_root_error(root: Path, error: BaseException) -> RootError:

@@ -1,7 +1,8 @@
 """``shmctl reap``: remove orphaned region files, after proving each one dead again.
 
 Exit status: 0 done (also when some items were kept, and for --dry-run), 2 usage
-(including no terminal to confirm on and no --yes), 3 the root cannot be read, 130 Ctrl-C.
+(including no terminal to confirm on and no --yes), 3 the root cannot be read, or is on
+neither a tmpfs nor a hugetlbfs without --any-filesystem, 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -80,6 +81,16 @@ def reap(
     ] = None,
     exact_bytes: BytesOption = False,
     no_headers: NoHeadersOption = False,
+    any_filesystem: Annotated[
+        bool,
+        typer.Option(
+            "--any-filesystem",
+            help=(
+                "Remove on any filesystem. Without it region files are removed only on a tmpfs or "
+                "hugetlbfs (where regions live and pin memory); a root elsewhere is an error (exit 3)."
+            ),
+        ),
+    ] = False,
 ) -> None:
     """Remove orphaned region files (and their segments); live, unknown and starting ones stay."""
     import functools
@@ -109,6 +120,7 @@ def reap(
         all_users=all_users,
         assume_not_holding=frozenset(assume_not_holding or ()),
         use_lease=not no_lease,
+        any_filesystem=any_filesystem,
     )
     show = functools.partial(
         render.reap_report,

@@ -1,7 +1,8 @@
 """``shmctl watch``: one agent per node that scans every shm root each interval and reaps the dead.
 
 Events go to stdout as JSON lines (nothing else does); ``--listen`` serves ``/metrics`` and
-``/healthz``. SIGTERM and SIGINT finish the file at hand and exit 0. Exit status: 0 stopped
+``/healthz``. SIGTERM and SIGINT finish the file at hand and exit 0. Which directories are
+roots, and where ``--reap`` may remove, is in ``docs/watch-roots.md``. Exit status: 0 stopped
 (or ``--once``/``--max-passes`` done), 2 usage (a bad glob, ``--listen`` address or port in
 use: before anything is scanned). A root's trouble is an event, never an exit.
 """
@@ -25,7 +26,8 @@ def watch(
             metavar="GLOB",
             help=(
                 "Directory or glob of directories to watch, matched again every pass. Repeatable; quote "
-                "globs. Default /dev/shm (a node's pods: their kubelet emptyDir volumes, see the README)."
+                "globs. Default /dev/shm (a node's pods: their kubelet emptyDir volumes, see the README). "
+                "Symlinks in a path are resolved once, at start; below a glob's fixed part none is followed."
             ),
         ),
     ] = None,
@@ -38,6 +40,16 @@ def watch(
         typer.Option(
             "--reap",
             help="Remove regions orphaned (the same files) in two passes running, each proven dead again.",
+        ),
+    ] = False,
+    any_filesystem: Annotated[
+        bool,
+        typer.Option(
+            "--any-filesystem",
+            help=(
+                "With --reap, remove on any filesystem. Without it a root on neither a tmpfs nor a "
+                "hugetlbfs is scanned but nothing in it is removed (a removal_refused event says so)."
+            ),
         ),
     ] = False,
     grace: Annotated[
@@ -96,6 +108,7 @@ def watch(
         all_users=all_users,
         assume_not_holding=frozenset(assume_not_holding or ()),
         use_lease=not no_lease,
+        any_filesystem=any_filesystem,
     )
     stop = threading.Event()
 

@@ -2,8 +2,10 @@
 
 Events are the library's event dataclasses, written as ``{"event", "time", "root",
 "pod_uid", ...}`` on one line each (``watch-event.schema.json``); stdout carries nothing else,
-so a log shipper can parse every line. A write that fails (the reader went away) is not the
-agent's end: the events stop, the passes and the metrics go on.
+so a log shipper can parse every line. Fields that are dataclasses (``root_replaced``'s
+identities) are objects; paths are strings, any byte in them that is not UTF-8 written as its
+``\\udcXX`` escape. A write that fails (the reader went away) is not the agent's end: the
+events stop, the passes and the metrics go on.
 
 ``WatchMetrics`` keeps the latest pass of every root and the reap counters; the HTTP thread
 builds a fresh ``Exposition`` from them per scrape, under a lock the pass loop takes only to
@@ -55,8 +57,12 @@ class EventWriter:
         if self.broken:
             return
         stream = self._stream or sys.stdout
+        # A name that is not UTF-8 (a pod volume, a path given with any bytes) reaches us as
+        # lone surrogates, which no stdout can encode: written as their JSON escape (as
+        # ``emit_json`` does), the line stays one valid JSON object and gives the name back.
+        line = dumps(event_document(event)).encode("utf-8", "backslashreplace").decode("utf-8")
         try:
-            stream.write(dumps(event_document(event)) + "\n")
+            stream.write(line + "\n")
             stream.flush()
         except (BrokenPipeError, ValueError, OSError):
             # No reader (or a closed stream): metrics still tell the story; the loop must go on.
