@@ -63,6 +63,7 @@ WATCH_AGENT_METRICS = frozenset(
         "shmctl_watch_passes_total",
         "shmctl_watch_roots",
         "shmctl_build_info",
+        "shmctl_lease_break_time_seconds",
     }
 )
 #: The evidence needs these and nothing else (the manifest's comments say why each).

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvoffload.liveness import lease
 from kvoffload.liveness.reap import reap
 from kvoffload.liveness.scan import ScanReport, Status, scan
 from shmctl.render.metrics import OTHER_ENGINES, Exposition, ReapCounters
@@ -141,6 +142,7 @@ def test_the_command_exports_the_scan_of_a_private_tmpfs_exactly(tmp_path: Path,
         report = scan(mnt, grace_s=0)
         usage = Usage.of(mnt)
         expected = expected_scan(report, size=usage.total, free=usage.free)
+        expected[series("shmctl_lease_break_time_seconds")] = lease.break_time_s() or 0.0
 
     assert (result.returncode, result.stderr) == (0, "")
     got = parse(result.stdout)
@@ -310,9 +312,7 @@ def _importtime(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_reap_counters_count_what_reap_removed_across_passes(tmp_path: Path, engine_id: str) -> None:
-    root = tmp_path / "root"
-    root.mkdir()
+def test_reap_counters_count_what_reap_removed_across_passes(root: Path, engine_id: str) -> None:
     files = [
         write_file(region_path(root, engine_id), touch=2),
         write_file(region_path(root, engine_id, 1), touch=1),
@@ -364,3 +364,23 @@ def test_several_roots_share_one_exposition(tmp_path: Path, engine_id: str) -> N
         assert got[series("shmctl_orphan_bytes", root=label)] == resident(e.path for e in report.entries)
         assert got[series("shmctl_scan_success", root=label)] == 1
     assert len([name for name, _ in got if name == "shmctl_build_info"]) == 1
+
+
+def test_lease_break_time_is_the_nodes_sysctl_exactly() -> None:
+    seconds = lease.break_time_s()
+    assert seconds == float(Path("/proc/sys/fs/lease-break-time").read_text())
+    exposition = Exposition()
+    exposition.add_lease_break_time(seconds)
+
+    got = parse(exposition.text().decode())
+
+    assert got[series("shmctl_lease_break_time_seconds")] == seconds
+
+
+def test_lease_break_time_is_absent_when_it_cannot_be_read(tmp_path: Path) -> None:
+    exposition = Exposition()
+    exposition.add_lease_break_time(lease.break_time_s(proc_root=tmp_path))
+
+    text = exposition.text().decode()
+
+    assert "shmctl_lease_break_time_seconds" not in text

@@ -16,6 +16,12 @@ we release it, and we are sent ``SIGIO`` (default action: terminate). So a lease
 for microseconds (one file's probe, or one file's check-and-unlink in ``reap``) and only
 inside ``sigio_ignored()``. A pending break shows in ``F_GETLEASE``, which then reports the
 type the lease is being broken to: that is how ``reap`` learns an opener arrived.
+
+A holder that cannot answer (stopped, traced, starved) would keep an engine's ``open``
+waiting for ``fs.lease-break-time`` (45 s). ``guard`` prevents it: ``sigio_ignored`` starts
+a watchdog that kills such a holder once an opener waits on it, and ``take`` … ``release``
+mark the hold for it and defer job-control stops (Ctrl-Z) until the lease is given back.
+Every hold therefore ends with ``release``, never with a bare ``close``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
+
+from kvoffload import procfs
+from kvoffload.liveness import guard
 
 _lock = threading.Lock()
 _depth = 0
@@ -74,12 +84,22 @@ def unavailable_reason(error: OSError, st_uid: int, fsuid: int) -> str:
 
 
 def take(fd: int, st_uid: int, fsuid: int) -> LeaseProbe:
-    """Try to take a write lease on ``fd``; on ``free`` the caller holds it until ``release``."""
+    """Try to take a write lease on ``fd``; on ``free`` the caller holds it until ``release``.
+
+    The hold is marked for the watchdog, and job-control stops deferred, before the
+    ``F_SETLEASE``: a stop right after the grant is a stop while holding. Taking again a
+    lease already held (``contested``) leaves it, and its mark, in place whatever the answer.
+    """
+    new = guard.hold(fd)
     try:
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
     except BlockingIOError:
+        if new:
+            guard.drop(fd)
         return HELD
     except OSError as e:
+        if new:
+            guard.drop(fd)
         return LeaseProbe(None, unavailable_reason(e, st_uid, fsuid))
     return FREE
 
@@ -104,9 +124,31 @@ def contested(fd: int, st_uid: int, fsuid: int) -> bool:
 
 
 def release(fd: int) -> None:
-    """Give the lease back; a blocked opener proceeds. Closing the fd would do it too."""
+    """Give the lease back; a blocked opener proceeds, a deferred Ctrl-Z stops us now.
+
+    Closing the fd would drop the lease too, but not the watchdog's mark nor the deferral.
+    """
     with contextlib.suppress(OSError):
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    guard.drop(fd)
+
+
+def break_time_s(proc_root: Path = procfs.PROC_ROOT) -> float | None:
+    """``fs.lease-break-time``: how long an opener waits on a holder that never answers.
+
+    That is an engine's wait if every shmctl process is frozen at once (a cgroup freezer:
+    the watchdog too). None if it cannot be read.
+    """
+    try:
+        text = (proc_root / "sys" / "fs" / "lease-break-time").read_text()
+        return float(int(text.strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def guard_status() -> guard.GuardStatus:
+    """Whether a watchdog guards this process's leases (``guard``), and why not."""
+    return guard.status()
 
 
 @contextlib.contextmanager
@@ -119,6 +161,10 @@ def sigio_ignored() -> Iterator[str | None]:
     signal's disposition: elsewhere leases are safe only if the program already handles or
     ignores ``SIGIO`` (a long-running host can call this once from its main thread).
     Nested and concurrent uses share one change, undone by the last to leave.
+
+    Where leases are safe it also starts the watchdog (``guard.start``), once per process:
+    a spawn, so a process with threads may call it. It outlives the block: a long-running
+    host pays the spawn once, and it exits with this process.
     """
     global _depth, _previous
     unsafe = None
@@ -133,6 +179,7 @@ def sigio_ignored() -> Iterator[str | None]:
     if unsafe is not None:
         yield unsafe
         return
+    guard.start()
     try:
         yield None
     finally:

@@ -16,6 +16,10 @@ Safety, which matters more than the time saved:
 * The child never returns into the caller's code: it leaves through ``os._exit`` whatever
   happens, so no ``finally`` or ``atexit`` of the caller runs twice. If the caller is
   interrupted, the child is killed and reaped before the exception goes on.
+* The child's write leases are guarded like the parent's (``guard``): it shares the
+  parent's watchdog through the inherited table and claims a slot of its own right after
+  the fork. A child stopped while an engine waits on its lease is SIGKILLed; that is a
+  failed child like any other, and the parent probes every file itself.
 * fork only from a single-threaded process (another thread could hold a lock the child
   would need), with at least two CPUs to run on, and for at least ``PARALLEL_MIN`` files;
   otherwise the probes run in the caller, after the walk.
@@ -29,6 +33,8 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
+
+from kvoffload.liveness import guard
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -129,6 +135,7 @@ def start(
         code = 1
         try:
             os.close(read_end)
+            guard.adopt()
             data = pickle.dumps([probe(item) for item in items], pickle.HIGHEST_PROTOCOL)
             view = memoryview(data)
             while view:

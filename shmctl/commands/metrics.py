@@ -53,6 +53,7 @@ def metrics(
 
     from kvoffload.durations import parse_duration
     from kvoffload.errors import RootError
+    from kvoffload.liveness import lease
     from kvoffload.liveness.scan import scan
     from shmctl.render import metrics as render
 
@@ -60,6 +61,7 @@ def metrics(
     if textfile is not None:
         render.check_textfile_directory(textfile)
     exposition = render.Exposition(top_engines=top_engines)
+    exposition.add_lease_break_time(lease.break_time_s())
     started = time.monotonic()
     try:
         report = scan(

@@ -193,6 +193,13 @@ class Exposition:
         self.watch_roots = GaugeMetricFamily(
             "shmctl_watch_roots", "Roots the globs matched in the last pass."
         )
+        self.lease_break_time = GaugeMetricFamily(
+            "shmctl_lease_break_time_seconds",
+            "The node's fs.lease-break-time, in seconds: how long an engine's open() of a region "
+            "file can wait on a lease shmctl holds if every shmctl process is frozen at once "
+            "(one that stops alone is killed by shmctl's lease watchdog within a second). "
+            "Absent when unreadable.",
+        )
         self._families: tuple[Metric, ...] = (
             self.build_info,
             self.scan_success,
@@ -215,6 +222,7 @@ class Exposition:
             self.watch_pass_duration,
             self.watch_passes,
             self.watch_roots,
+            self.lease_break_time,
         )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -266,6 +274,11 @@ class Exposition:
         self.watch_roots.add_metric([], roots)
         if pass_seconds is not None:
             self.watch_pass_duration.add_metric([], pass_seconds)
+
+    def add_lease_break_time(self, seconds: float | None) -> None:
+        """``shmctl_lease_break_time_seconds`` (``lease.break_time_s()``); nothing when it is None."""
+        if seconds is not None:
+            self.lease_break_time.add_metric([], seconds)
 
     def add_failure(
         self, root: Path, error: RootError, *, attempted_at: float, last_success: float | None

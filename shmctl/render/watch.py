@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvoffload.errors import ConfigError
+from kvoffload.liveness import lease
 from kvoffload.liveness.watch import Event, PassReport, RootPass
 from shmctl.render import dumps, to_jsonable
 from shmctl.render.metrics import Exposition, ReapCounters, label_text
@@ -121,6 +122,7 @@ class WatchMetrics:
     def text(self) -> bytes:
         with self._lock:
             exposition = Exposition(top_engines=self._top_engines, pod_uid_label=True)
+            exposition.add_lease_break_time(lease.break_time_s())
             for result in self._latest.values():
                 if result.report is not None and result.usage is not None:
                     exposition.add_scan(result.report, result.usage, scan_seconds=result.scan_seconds)
