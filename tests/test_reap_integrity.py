@@ -14,6 +14,7 @@ under a private name once settled.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -644,3 +645,64 @@ def test_a_reaper_killed_holding_its_lease_lets_a_blocked_opener_have_the_file_u
     report = json.loads(run_cli("reap", "--root", str(root), "--grace", "0s", "--yes", "--json").stdout)
     assert report["removed"] == []
     assert parks(root) == []
+
+
+@pytest.mark.slow
+def test_sigstop_of_a_real_reap_at_random_moments_never_stalls_an_opener_nor_loses_its_file(
+    root: Path, engine_id: str
+) -> None:
+    """A reap of 2,000 orphans is stopped at random moments until a stop catches a lease held,
+    and an engine opens that file: it waits under a second (the watchdog kills the stopped
+    reaper), and after a settling reap the file it opened is at its name, whatever the killed
+    reaper had done with it; every other orphan is gone."""
+    from tests.test_lease_guard import BOUND_S, leased_inode, timed_open, wait_for_state
+
+    rng = random.Random(engine_id)
+    caught = 0
+    for _ in range(3):
+        paths = [write_file(region_path(root, f"{engine_id}-{i}"), 4096, touch=0) for i in range(2000)]
+        by_inode = {p.stat().st_ino: p for p in paths}
+        reaper = subprocess.Popen(
+            cli("reap", "--root", str(root), "--grace", "0s", "--yes", "--json"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=REPO,
+        )
+        opened: tuple[Path, int, int] | None = None
+        try:
+            while opened is None and reaper.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(reaper.pid, signal.SIGSTOP)
+                if wait_for_state(reaper.pid, "TZX") != "T":
+                    break
+                ino = leased_inode(reaper.pid)
+                if ino is not None and ino in by_inode:
+                    try:
+                        waited, fd = timed_open(by_inode[ino])
+                    except FileNotFoundError:
+                        pass  # stopped at its last check: already parked, the name is free
+                    else:
+                        assert waited < BOUND_S, f"the opener waited {waited:.3f}s on a stopped reap"
+                        opened = (by_inode[ino], fd, ino)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(reaper.pid, signal.SIGCONT)
+                time.sleep(rng.uniform(0, 0.003))
+            reaper.wait(60)
+            settled = run_cli("reap", "--root", str(root), "--grace", "0s", "--yes", "--json")
+            assert settled.returncode == 0, settled.stderr
+            if opened is not None:
+                caught += 1
+                path, fd, ino = opened
+                assert os.fstat(fd).st_nlink == 1, "the file the engine opened lost its name"
+                assert path.stat().st_ino == ino
+        finally:
+            if reaper.poll() is None:
+                reaper.kill()
+                reaper.wait(30)
+            if opened is not None:
+                os.close(opened[1])
+        left = sorted(os.listdir(root))
+        assert left == ([opened[0].name] if opened is not None else [])
+        for name in left:
+            os.unlink(root / name)
+    assert caught > 0, "no stop ever caught a lease held: the test tested nothing"
