@@ -13,7 +13,7 @@ UNITDIR ?= /etc/systemd/system
 SHMCTL  ?= $(shell command -v shmctl)
 SHELL_SCRIPTS := scripts/*.sh deploy/docker/entrypoint.sh .ci/run
 
-.PHONY: venv test check lint typecheck pytest demo bench bench-quick vllm-compat completions man install-units clean
+.PHONY: venv test check lint typecheck pytest demo bench bench-quick vllm-compat completions man install-units image clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,31 @@ man: venv
 # Renders ExecStart with the shmctl given (default: the one on PATH); enables nothing.
 install-units:
 	sh scripts/install-units.sh --shmctl "$(SHMCTL)" --dest "$(DESTDIR)$(UNITDIR)"
+
+# The agent image (Dockerfile), tagged $(IMAGE): the tag deploy/kubernetes/ names, so on a cluster
+# that runs images from this builder's store `kubectl apply -f deploy/kubernetes/` follows it.
+# Elsewhere push it (docs/deployment.md). With VLLM_IMAGE=<a pinned vLLM image>, also the
+# per-pod example's engine image (deploy/docker/vllm.Dockerfile), tagged $(VLLM_WITH_SHMCTL).
+# Docker when its daemon answers, else podman; CONTAINER_TOOL=... picks one.
+VERSION          := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+IMAGE            ?= shmctl:$(VERSION)
+VLLM_IMAGE       ?=
+VLLM_WITH_SHMCTL ?= vllm-with-shmctl:$(VERSION)
+CONTAINER_TOOL   ?=
+
+image:
+	@tool="$(CONTAINER_TOOL)"; \
+	if [ -z "$$tool" ]; then \
+	  if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then tool=docker; \
+	  elif command -v podman >/dev/null 2>&1; then tool=podman; \
+	  elif command -v docker >/dev/null 2>&1; then tool=docker; \
+	  else echo "make image: neither docker nor podman is installed (fix: install one, or build ./Dockerfile with any OCI builder, tagged $(IMAGE))" >&2; exit 2; fi; \
+	fi; \
+	set -x; \
+	"$$tool" build --file Dockerfile --tag "$(IMAGE)" . && \
+	if [ -n "$(VLLM_IMAGE)" ]; then \
+	  "$$tool" build --file deploy/docker/vllm.Dockerfile --build-arg VLLM_IMAGE="$(VLLM_IMAGE)" --tag "$(VLLM_WITH_SHMCTL)" .; \
+	fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage .hypothesis *.egg-info

@@ -71,3 +71,4 @@ done
 [ -n "$installed" ] || die "no shmctl-*.service or *.timer in '$from'"
 echo "installed into $dest:$installed (ExecStart=$shmctl)"
 echo "next: systemctl daemon-reload && systemctl enable --now shmctl-reap.timer shmctl-metrics.timer"
+echo "  or, for reaping and metrics served continuously instead: systemctl enable --now shmctl-watch.service"

@@ -3,15 +3,18 @@
 ``systemd-analyze verify`` must accept them where shmctl is installed on systemd's search path
 (as shipped) and anywhere else once ``scripts/install-units.sh`` has written the path in;
 ``systemd-analyze security --offline=yes`` must rate each service below 4.0. What systemd would
-do to the process is checked for real where it can be without running systemd: the capability
-bounding set, run through ``setpriv``, still leases, names holders and opens other users' files,
-and each capability in it is needed; the reaper's ExecStart, run as journald would (stdout a
-pipe), prints one line of JSON. The tools are used where present and the tests skip, saying
-which, where they are not.
+do to the process is checked for real where it can be without running systemd: the timers'
+capability bounding set, run through ``setpriv``, still leases, names holders and opens other
+users' files, and each capability in it is needed; the watch agent's ExecStart, run with its own
+(the DaemonSet's two), reaps another user's orphan and keeps their live region, and fails to
+reap without either; the reaper's ExecStart, run as journald would (stdout a pipe), prints one
+line of JSON. The tools are used where present and the tests skip, saying which, where they are
+not.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -25,11 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml  # type: ignore[import-untyped]
 
 from tests.procs import REPO, Child, leave_orphan, region_path, write_file
 
 UNITS = REPO / "deploy" / "systemd"
 SERVICES = sorted(UNITS.glob("*.service"))
+#: The node agent, a long-running service; the others are the oneshots the timers start.
+WATCH = UNITS / "shmctl-watch.service"
+ONESHOTS = [unit for unit in SERVICES if unit != WATCH]
+DAEMONSET = REPO / "deploy" / "kubernetes" / "daemonset.yaml"
 INSTALL_UNITS = REPO / "scripts" / "install-units.sh"
 SHMCTL = Path(sys.executable).parent / "shmctl"
 #: systemd's fixed search path for a bare ExecStart name; tests mount a private copy over one.
@@ -193,8 +201,17 @@ def bounding_set(unit: Path) -> list[str]:
     return [cap.removeprefix("CAP_").lower() for cap in value.split()]
 
 
-def test_both_services_keep_the_same_capabilities() -> None:
-    assert len({tuple(bounding_set(unit)) for unit in SERVICES}) == 1
+def test_the_timers_services_keep_the_same_capabilities() -> None:
+    assert len({tuple(bounding_set(unit)) for unit in ONESHOTS}) == 1
+
+
+def test_the_watch_unit_keeps_the_daemonsets_capabilities_and_no_other() -> None:
+    # The same agent as the DaemonSet, with the same evidence: not CAP_SYS_PTRACE, which only
+    # names other users' holders, for a long-running process with an open port.
+    (daemonset,) = [d for d in yaml.safe_load_all(DAEMONSET.read_text()) if d and d["kind"] == "DaemonSet"]
+    (agent,) = daemonset["spec"]["template"]["spec"]["containers"]
+    added = agent["securityContext"]["capabilities"]["add"]
+    assert sorted(bounding_set(WATCH)) == sorted(cap.lower() for cap in added)
 
 
 @contextmanager
@@ -245,14 +262,14 @@ def test_with_the_units_capabilities_root_leases_names_and_inspects_other_users(
 ) -> None:
     require_root("setpriv")
     with another_users_files(root, engine_id) as (held, orphan, holder):
-        report = scan_with(bounding_set(SERVICES[0]), root)
+        report = scan_with(bounding_set(ONESHOTS[0]), root)
         assert all(evidence(report, held, orphan, holder).values()), report
 
 
-@pytest.mark.parametrize("dropped", bounding_set(SERVICES[0]))
+@pytest.mark.parametrize("dropped", bounding_set(ONESHOTS[0]))
 def test_each_capability_the_units_keep_is_needed(root: Path, engine_id: str, dropped: str) -> None:
     require_root("setpriv")
-    caps = [c for c in bounding_set(SERVICES[0]) if c != dropped]
+    caps = [c for c in bounding_set(ONESHOTS[0]) if c != dropped]
     with another_users_files(root, engine_id) as (held, orphan, holder):
         report = scan_with(caps, root)
         assert not all(evidence(report, held, orphan, holder).values()), report
@@ -297,3 +314,74 @@ def test_the_metrics_textfile_stays_readable_by_node_exporter(root: Path, tmp_pa
     done = run_exec_start(unit, root, "--textfile", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "shmctl.prom").stat().st_mode & 0o004
+
+
+# ------------------------------------------------------------------ the watch agent
+
+
+def test_the_watch_unit_runs_the_agent_on_the_hosts_dev_shm_and_restarts_it_on_failure() -> None:
+    argv = exec_start(WATCH)
+    assert argv[1] == "watch"
+    assert [argv[i + 1] for i, word in enumerate(argv) if word == "--root"] == ["/dev/shm"]
+    assert "--reap" in argv
+    assert "-/dev/shm" in directives(WATCH, "ReadWritePaths")
+    assert directives(WATCH, "Type") == ["exec"]
+    assert directives(WATCH, "Restart") == ["on-failure"]
+    assert directives(WATCH, "WantedBy") == ["multi-user.target"]
+
+
+def test_the_watch_unit_listens_on_loopback_and_its_firewall_admits_loopback_alone() -> None:
+    argv = exec_start(WATCH)
+    host, _, port = argv[argv.index("--listen") + 1].rpartition(":")
+    assert ipaddress.ip_address(host.strip("[]")).is_loopback
+    assert int(port) > 0
+    assert directives(WATCH, "IPAddressDeny") == ["any"]
+    assert directives(WATCH, "IPAddressAllow") == ["localhost"]
+    # A private network namespace has a loopback of its own that nothing on the host can reach.
+    assert directives(WATCH, "PrivateNetwork") in ([], ["no"])
+    families = {f for value in directives(WATCH, "RestrictAddressFamilies") for f in value.split()}
+    assert families == {"AF_UNIX", "AF_INET", "AF_INET6"}
+
+
+def run_watch_exec_start(caps: list[str], root: Path) -> subprocess.CompletedProcess[str]:
+    """The watch unit's command line with this venv's shmctl and its root pointed at ``root``,
+    under the bounding set ``caps`` and the unit's umask, stdout a pipe as under journald: two
+    passes (removal needs two), no grace, any free loopback port."""
+    argv = [str(SHMCTL), *exec_start(WATCH)[1:]]
+    argv[argv.index("--root") + 1] = str(root)
+    argv += ["--interval", "100ms", "--max-passes", "2", "--grace", "0s", "--listen", "127.0.0.1:0"]
+    return subprocess.run(
+        ["setpriv", f"--bounding-set=-all,{','.join('+' + c for c in caps)}", *argv],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        umask=int(directives(WATCH, "UMask")[0], 8),
+    )
+
+
+def test_with_the_watch_units_capabilities_it_reaps_another_users_orphan_and_keeps_their_live_region(
+    root: Path, engine_id: str
+) -> None:
+    require_root("setpriv")
+    with another_users_files(root, engine_id) as (held, orphan, _):
+        done = run_watch_exec_start(bounding_set(WATCH), root)
+        assert done.returncode == 0, done.stderr
+        assert not orphan.exists()
+        assert held.exists()
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [e["engine_id"] for e in events if e["event"] == "removed"] == [engine_id + "-dead"]
+
+
+@pytest.mark.parametrize("dropped", bounding_set(WATCH))
+def test_each_capability_the_watch_unit_keeps_is_needed_to_reap_another_users_orphan(
+    root: Path, engine_id: str, dropped: str
+) -> None:
+    require_root("setpriv")
+    caps = [c for c in bounding_set(WATCH) if c != dropped]
+    with another_users_files(root, engine_id) as (held, orphan, _):
+        done = run_watch_exec_start(caps, root)
+        assert done.returncode == 0, done.stderr
+        assert orphan.exists(), f"reaped without {dropped}"
+        assert held.exists()
