@@ -74,6 +74,7 @@ __all__ = [
     "ParkedView",
     "ScanEntry",
     "ScanReport",
+    "ScanStream",
     "ScanSummary",
     "Status",
     "open_root",
@@ -421,6 +422,230 @@ def scan(
         parks=parks,
         lease_break_time_s=_lease_break_time(proc_root),
     )
+
+
+#: Files ``ScanStream`` judges at a time: their lstat results, probes and entries are all it
+#: holds besides the root's names, so its memory does not grow with the root.
+STREAM_CHUNK_FILES = 512
+
+
+class ScanStream:
+    """One root's scan, a region at a time: what ``shmctl watch`` reads instead of a report.
+
+    ``scan`` returns every entry of the root at once, as ``scan --json`` prints them. An agent
+    over a root of 100,000 files needs a summary and the regions it may remove, so it walks
+    this instead: the root is listed once (names only, sorted so that the files of a region
+    are adjacent), then judged ``STREAM_CHUNK_FILES`` files at a time (lstat, probes, verdict)
+    on one ``/proc`` pass. The evidence and the verdicts are ``scan``'s; the caller keeps what
+    it needs of each region and lets the rest go. Probes run here, one after the other (an
+    agent passes the ``/proc`` pass it made for all its roots, or this makes one first).
+
+    Use it as a context manager: it holds the root's directory fd (``open_root``) and keeps
+    ``SIGIO`` ignored (``lease.sigio_ignored``) until it is closed, so a caller may remove
+    what it judged through ``dir_fd`` while it goes on. ``parked()`` judges the park
+    directories found in the listing; ``regions()`` yields every other region once, as the
+    entries of its files (files that are ``skipped`` themselves included), by engine id.
+    """
+
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        grace_s: float = DEFAULT_GRACE_S,
+        all_users: bool = False,
+        assume_not_holding: Collection[int] = (),
+        use_lease: bool = True,
+        proc_root: Path = procfs.PROC_ROOT,
+        holders: HolderIndex | None = None,
+        root_fd: int | None = None,
+        now: float | None = None,
+    ) -> None:
+        if grace_s < 0:
+            raise ConfigError("grace", f"must not be negative, got {grace_s:g}s")
+        self._euid = os.geteuid()
+        if all_users and self._euid != 0:
+            raise ConfigError(
+                "all_users", "only root may judge other users' files", fix="run as root, or drop --all-users"
+            )
+        self.root = Path(root)
+        self._grace_s = grace_s
+        self._all_users = all_users
+        self._assume = frozenset(assume_not_holding)
+        self._use_lease = use_lease
+        self._proc_root = proc_root
+        self._given = holders
+        self._root_fd = root_fd
+        self._now = now
+        self._stack = contextlib.ExitStack()
+        self.dir_fd = -1
+        self.lease_enabled = use_lease
+        self._lease_off: LeaseProbe | None = None
+        self._names: list[str] = []
+        self._park_names: list[str] = []
+        self._root_dev = 0
+        self._index: HolderIndex | None = None
+        self._view: ScannerView | None = None
+        #: When the last files were judged (``scan``'s ``scanned_at``).
+        self.scanned_at = 0.0
+
+    def __enter__(self) -> ScanStream:
+        with contextlib.ExitStack() as stack:
+            self.dir_fd = stack.enter_context(open_root(self.root, self._root_fd))
+            unsafe = stack.enter_context(lease.sigio_ignored())
+            if not self._use_lease:
+                self._lease_off = lease.DISABLED
+            elif unsafe is not None:
+                self._lease_off = LeaseProbe(None, unsafe)
+            self.lease_enabled = self._lease_off is None
+            self._names, self._park_names = _list_names(self.root, self.dir_fd)
+            self._root_dev = os.fstat(self.dir_fd).st_dev
+            self._cover({self._root_dev})
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the root's fd and let ``SIGIO`` go back; idempotent."""
+        self._stack.close()
+        self._names = []
+
+    @property
+    def files(self) -> int:
+        """Region-pattern names in the listing (park directories not included)."""
+        return len(self._names)
+
+    @property
+    def index(self) -> HolderIndex:
+        assert self._index is not None, "ScanStream is used inside its with block"
+        return self._index
+
+    @property
+    def uninspected(self) -> tuple[Uninspected, ...]:
+        return self.index.uninspected
+
+    @property
+    def deleted(self) -> tuple[DeletedMapping, ...]:
+        """Unlinked region files of the root's filesystem still mapped or open."""
+        return tuple(d for d in self.index.deleted if d.dev == self._root_dev)
+
+    def _cover(self, devices: set[int]) -> None:
+        """Use an index that records every file of ``devices``: the given one if it does, else
+        a ``/proc`` pass of our own (over every device seen so far)."""
+        index = self._index if self._index is not None else self._given
+        if index is not None and index.covers(devices):
+            if index is not self._index:
+                self._index, self._view = index, None
+            return
+        wanted = set(devices)
+        if index is not None and index.devices is not None:
+            wanted |= index.devices
+        self._index = collect_holders(self._proc_root, devices=wanted)
+        self._view = None
+
+    def _scanner_view(self) -> ScannerView:
+        if self._view is None:
+            self._view = ScannerView(self.index.blind_spots(self._assume), visibility(self._proc_root))
+        return self._view
+
+    def _when(self) -> float:
+        self.scanned_at = time.time() if self._now is None else self._now
+        return self.scanned_at
+
+    def parked(self) -> tuple[tuple[ParkView, ...], tuple[ScanEntry, ...]]:
+        """The reapers' park directories in the root, and a ``parked`` entry per file in them."""
+        if not self._park_names:
+            return (), ()
+        return _judge_parks(
+            self.root,
+            self.dir_fd,
+            self._park_names,
+            self.index,
+            self._scanner_view(),
+            probe_args=(self._lease_off, self._euid),
+            when=self._when(),
+            all_users=self._all_users,
+        )
+
+    def regions(self) -> Iterator[tuple[ScanEntry, ...]]:
+        """Each region of the root once, judged: its entries by segment, then name."""
+        owners = None if self._all_users else {self._euid}
+        probe = functools.partial(_probe, self.dir_fd, lease_off=self._lease_off, euid=self._euid)
+        for chunk in _chunks(self._names, STREAM_CHUNK_FILES):
+            listed = _stat_names(self.root, self.dir_fd, chunk)
+            self._cover({item.st.st_dev for item in listed})
+            regions = _Sorted.of(listed, owners)
+            probes = {item.name: probe(item) for item in regions.to_probe()}
+            when = self._when()
+            view = self._scanner_view()
+            skipped: dict[str, list[_Listed]] = {}
+            for item in listed:
+                if item.name in regions.skipped:
+                    skipped.setdefault(item.region.engine_id, []).append(item)
+            for group in regions.groups.values():
+                entries = [
+                    _entry(self.root, item, Status.SKIPPED, regions.skipped[item.name], when, self.index)
+                    for item in skipped.get(group.engine_id, ())
+                ]
+                entries += _judge_group(
+                    self.root, group, probes, self.index, view, when, self._grace_s, self._proc_root
+                )
+                if entries:
+                    entries.sort(key=lambda e: (e.segment, e.name))
+                    yield tuple(entries)
+
+
+def _list_names(root: Path, dir_fd: int) -> tuple[list[str], list[str]]:
+    """The root's region-pattern names, the files of each region adjacent (by engine id, then
+    segment), and the names of park directories. Names only: 100,000 of them are a few MiB."""
+    try:
+        entry_names = os.listdir(dir_fd)
+    except OSError as e:
+        raise RootError(root, f"cannot list: {e.strerror}", fix="run as root or the regions' owner") from None
+    keyed = []
+    park_names = []
+    for name in entry_names:
+        region = names.parse(name)
+        if region is None:
+            if park.is_park_name(name):
+                park_names.append(name)
+        else:
+            keyed.append((region.engine_id, region.segment, name))
+    del entry_names
+    # Sorted by name alone, the files of one engine can be apart: "E.mmap-x" (another engine's
+    # base) sorts between "E.mmap" and "E.mmap.1".
+    keyed.sort()
+    return [name for _, _, name in keyed], sorted(park_names)
+
+
+def _chunks(region_names: list[str], size: int) -> Iterator[list[tuple[str, names.RegionName]]]:
+    """``region_names`` (sorted by ``_list_names``) in runs of about ``size``, never splitting a region."""
+    chunk: list[tuple[str, names.RegionName]] = []
+    for name in region_names:
+        region = names.parse(name)
+        assert region is not None  # listed because it parses
+        if len(chunk) >= size and region.engine_id != chunk[-1][1].engine_id:
+            yield chunk
+            chunk = []
+        chunk.append((name, region))
+    if chunk:
+        yield chunk
+
+
+def _stat_names(root: Path, dir_fd: int, chunk: list[tuple[str, names.RegionName]]) -> list[_Listed]:
+    listed = []
+    for name, region in chunk:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # removed since the listing
+        except PermissionError:
+            raise RootError(
+                root, "permission denied on its entries", fix="the directory needs search (x) permission"
+            ) from None
+        listed.append(_Listed(name, region, st))
+    return listed
 
 
 def _lease_break_time(proc_root: Path) -> float | None:

@@ -8,9 +8,14 @@ the very same ``(st_dev, st_ino)`` files in the previous pass too.
 
 Invariants:
 
-* Never reap on an old verdict. The previous pass only nominates; the reap itself is the
-  library ``reap``, which scans again and proves each region dead again under its lease
-  (``only=`` restricts it to the nominated files, by name and inode).
+* Never reap on an old verdict. The previous pass only nominates; a root with nominations
+  is judged on a ``/proc`` pass of its own, made at its turn, and a region goes only if this
+  judgement finds it orphaned with the same files again; the removal is ``reap``'s, which
+  locks each region and proves it dead once more under its lease before it unlinks.
+* Memory does not grow with files or roots (docs/agent-memory.md). A root is judged a region
+  at a time (``ScanStream``) and removed in batches as the judgement goes; what a pass keeps
+  of a root is numbers (``RootScan``), and what the next pass needs is one bytes key per
+  orphaned region (``_region_key``), never an entry.
 * A region goes whole: it is nominated only when every file of it was orphaned, with the
   same identities, in both passes.
 * A root's trouble is an event, never an exit: a root that cannot be read, one that
@@ -30,6 +35,11 @@ Invariants:
   its path is a new root (``root_replaced``), and nothing nominated in the old one carries over.
 * Removal happens only on a tmpfs or hugetlbfs unless ``any_filesystem``: elsewhere the
   root is scanned and ``removal_refused`` says why nothing goes.
+* Nothing is silent: a glob whose fixed part does not exist when the ``Watcher`` is made is a
+  ``ConfigError`` naming the kubelet directories of the common distributions
+  (``KUBELET_DIRECTORIES``); a glob that matches nothing in a pass is a ``root_no_match``
+  event in that pass, every pass.
+* ``on_pass`` (the metrics) records a pass before its ``pass`` event is emitted.
 
 The loop is meant for the main thread: it enters ``lease.sigio_ignored()`` once for all its
 passes (only the main thread may ignore ``SIGIO``). Elsewhere the scans run without leases,
@@ -45,11 +55,13 @@ import errno
 import fnmatch
 import functools
 import glob
+import itertools
 import os
 import re
 import stat
+import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -57,15 +69,16 @@ from typing import ClassVar
 from kvoffload import procfs
 from kvoffload.errors import ConfigError, KvOffloadError, RootError
 from kvoffload.liveness import lease
+from kvoffload.liveness import reap as reaping
 from kvoffload.liveness.holders import HolderIndex, collect_holders
 from kvoffload.liveness.park import PARK_PREFIX
-from kvoffload.liveness.reap import ReapReport, reap
-from kvoffload.liveness.scan import DEFAULT_ROOT, SCHEMA_VERSION, ScanEntry, ScanReport, Status, scan
+from kvoffload.liveness.scan import DEFAULT_ROOT, ParkView, ScanEntry, ScanStream, ScanSummary, Status
 from kvoffload.shm import mounts
 
 __all__ = [
     "DEFAULT_GRACE_S",
     "DEFAULT_INTERVAL_S",
+    "DEFAULT_TOP_ENGINES",
     "KUBELET_ROOTS",
     "Event",
     "KeptUnknown",
@@ -74,11 +87,15 @@ __all__ = [
     "PassSummary",
     "RemovalRefused",
     "Removed",
+    "RemovedFile",
     "RootAppeared",
     "RootIdentity",
+    "RootNoMatch",
     "RootPass",
+    "RootReap",
     "RootReplaced",
     "RootResolved",
+    "RootScan",
     "RootUnreadable",
     "RootVanished",
     "Usage",
@@ -91,8 +108,18 @@ __all__ = [
 DEFAULT_INTERVAL_S = 60.0
 #: Longer than scan's 30 s: an agent that reaps on its own should leave a slow start alone.
 DEFAULT_GRACE_S = 600.0
+#: Orphaned engines named per root (``--top-engines``); the rest are summed.
+DEFAULT_TOP_ENGINES = 10
 #: Every memory-backed emptyDir of every pod on a node, as the kubelet mounts them.
 KUBELET_ROOTS = "/var/lib/kubelet/pods/*/volumes/kubernetes.io~empty-dir/*"
+#: Where the kubelet keeps its pods (its ``--root-dir``) on the common distributions. k3s has
+#: used the default since v0.10 (k3s-io/k3s#840), as RKE2 does; only older k3s used its own.
+KUBELET_DIRECTORIES = (
+    ("/var/lib/kubelet", "kubeadm, EKS, GKE, AKS, k3s, RKE2"),
+    ("/var/lib/k0s/kubelet", "k0s"),
+    ("/var/snap/microk8s/common/var/lib/kubelet", "MicroK8s"),
+    ("/var/lib/rancher/k3s/agent/kubelet", "k3s before v0.10"),
+)
 _POD_UID = re.compile(r"/pods/([^/]+)/volumes/")
 #: How long the loop sleeps at most before it looks at ``should_stop`` again.
 _STOP_POLL_S = 0.05
@@ -102,8 +129,6 @@ _PARK_PREFIX = PARK_PREFIX
 _ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: A directory only passed through: search permission is enough, as for a path lookup.
 _PASS_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-Identities = frozenset[tuple[int, int]]
 
 
 def pod_uid_of(root: Path | str) -> str | None:
@@ -126,6 +151,8 @@ class WatchConfig:
     proc_root: Path = procfs.PROC_ROOT
     #: Remove on any filesystem, not only a tmpfs or hugetlbfs (``--any-filesystem``).
     any_filesystem: bool = False
+    #: Orphaned engines a root's ``RootScan`` names (the largest); the rest are one sum.
+    top_engines: int = DEFAULT_TOP_ENGINES
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -136,6 +163,8 @@ class WatchConfig:
             raise ConfigError("--interval", f"must not be negative, got {self.interval_s:g}s")
         if self.grace_s < 0:
             raise ConfigError("--grace", f"must not be negative, got {self.grace_s:g}s")
+        if self.top_engines < 0:
+            raise ConfigError("--top-engines", f"must not be negative, got {self.top_engines}")
         if self.all_users and os.geteuid() != 0:
             raise ConfigError(
                 "--all-users",
@@ -168,6 +197,27 @@ def _check_pattern(pattern: str) -> None:
             "--root",
             f"{pattern!r} has '..' below its first glob character",
             fix="write the path without '..'",
+        )
+
+
+def _check_fixed_part(pattern: _Pattern) -> None:
+    """A glob's fixed part must be a directory when the agent starts."""
+    try:
+        st = os.stat(pattern.target)
+    except FileNotFoundError:
+        kubelets = ", ".join(f"{path} ({which})" for path, which in KUBELET_DIRECTORIES)
+        raise ConfigError(
+            "--root",
+            f"{pattern.text!r}: {pattern.fixed} does not exist, so the glob can never match",
+            fix=f"use this node's kubelet directory (its --root-dir): {kubelets}",
+        ) from None
+    except OSError:
+        return  # there but not searchable: told every pass as root_no_match
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(
+            "--root",
+            f"{pattern.text!r}: {pattern.fixed} is not a directory",
+            fix="pass a glob whose leading components name a directory",
         )
 
 
@@ -211,14 +261,24 @@ class _Pattern:
     #: The fixed part as ``realpath`` resolved it when the ``Watcher`` was made, as names from ``/``.
     resolved: tuple[str, ...]
     steps: tuple[_Step, ...]
+    #: The ``--root`` as given, for ``root_no_match``.
+    text: str = ""
 
     @classmethod
     def of(cls, text: str) -> _Pattern:
+        """The pattern of ``text``; a ``ConfigError`` for a glob whose fixed part is missing.
+
+        A plain root may be missing (it is reported every pass until it appears); a glob whose
+        fixed part is missing is another node layout, and would match nothing, silently, forever.
+        """
         names = _components(text)
         n = _fixed_length(names)
         fixed = Path("/", *names[:n])
         resolved = tuple(_components(os.path.realpath(fixed)))
-        return cls(fixed, resolved, tuple(_Step.of(name) for name in names[n:]))
+        pattern = cls(fixed, resolved, tuple(_Step.of(name) for name in names[n:]), text)
+        if not pattern.literal:
+            _check_fixed_part(pattern)
+        return pattern
 
     @property
     def literal(self) -> bool:
@@ -472,6 +532,15 @@ class RootIdentity:
 
 
 @dataclass(frozen=True, slots=True)
+class RootNoMatch(Event):
+    """A ``--root`` glob matched no directory this pass; told every pass it matches none.
+    ``root`` and ``pod_uid`` are null: there is no root, only the ``pattern``."""
+
+    event: ClassVar[str] = "root_no_match"
+    pattern: str = field(kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
 class RootResolved(Event):
     """A path the operator gave (a plain root, or a glob's fixed part) held a symlink or ``..``:
     resolved once, when the agent started, to ``target``; told once. What ``target`` names
@@ -549,6 +618,52 @@ class PassSummary(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class RootScan:
+    """What a pass keeps of one root's scan: numbers, never its entries.
+
+    It shows the root as the pass left it: a file removed in the pass is not counted, a file
+    the removal kept is counted under the verdict the removal found, and what a dead reaper
+    left parked is counted where its settling put it. Its size does not depend on the number
+    of files: a root of 100,000 files is as small here as an empty one.
+    """
+
+    root: Path
+    scanned_at: float
+    #: Files and bytes per verdict, as ``scan``'s summary counts them.
+    summary: ScanSummary
+    #: Resident bytes (st_blocks*512) per verdict, every ``Status`` a key.
+    resident_bytes: Mapping[Status, int]
+    #: The ``top_engines`` engines whose orphaned files pin most memory: (engine id, bytes),
+    #: largest first, ties by engine id. ``orphaned_other_bytes`` is the rest, together.
+    orphaned_engines: tuple[tuple[str, int], ...] = ()
+    orphaned_other_bytes: int = 0
+    #: Apparent size of the largest region (base and segments, any verdict).
+    region_size_max: int = 0
+    #: Bytes of unlinked region files of the root's filesystem still mapped or open.
+    unlinked_mapped_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedFile:
+    """A region file a pass removed, by its name in the root."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class RootReap:
+    """What a pass removed in one root; the ``removed`` and ``parked`` events tell it by engine."""
+
+    removed: tuple[RemovedFile, ...] = ()
+    #: Resident memory of the removed files (st_blocks*512): what the root's mount got back.
+    freed_bytes: int = 0
+    #: Files a dead reaper left parked that got their names back, and that stay parked because
+    #: their name was taken (``ParkedSettled``).
+    restored: int = 0
+    conflicts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class RootPass:
     """One root's turn in a pass: the scan that shows the disk as the pass left it, or the error."""
 
@@ -556,13 +671,13 @@ class RootPass:
     pod_uid: str | None
     attempted_at: float
     scan_seconds: float
-    report: ScanReport | None = None
+    report: RootScan | None = None
     usage: Usage | None = None
     error: RootError | None = None
     #: When the root was last scanned successfully (this pass, or an earlier one).
     last_success: float | None = None
-    #: The reap of this pass, when something was nominated.
-    reaped: ReapReport | None = None
+    #: What this pass removed, when something was nominated (or a dead reaper's park settled).
+    reaped: RootReap | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -579,13 +694,23 @@ class PassReport:
     stopped: bool = False
 
 
+#: No region (``_RootState``'s sets, shared by every root that has none).
+_NO_REGIONS: frozenset[bytes] = frozenset()
+
+
 @dataclass(slots=True)
 class _RootState:
-    """What a root's next pass needs from this one; dropped when the root vanishes."""
+    """What a root's next pass needs from this one; dropped when the root vanishes.
+
+    Regions are remembered by ``_region_key`` (engine id and the identities of its files, in
+    one bytes object): a root of 100,000 orphans is a few MiB of keys, not its entries.
+    """
 
     pod_uid: str | None
-    orphaned: dict[str, Identities] = field(default_factory=dict)
-    unknown: dict[str, Identities] = field(default_factory=dict)
+    #: Regions orphaned in the last pass, every file of them (kept only where removal is allowed).
+    orphaned: frozenset[bytes] = _NO_REGIONS
+    #: Regions told ``kept_unknown`` in the last pass (told again only when one changes).
+    unknown: frozenset[bytes] = _NO_REGIONS
     error: str | None = None
     last_success: float | None = None
     #: The directory first seen at the root's path (pinned: another one there is a new root).
@@ -628,15 +753,16 @@ class Watcher:
     def run(
         self, *, max_passes: int | None = None, on_pass: Callable[[PassReport], None] | None = None
     ) -> int:
-        """Pass every ``interval_s`` (from the start of one to the next) until stopped; the passes done."""
+        """Pass every ``interval_s`` (from the start of one to the next) until stopped; the passes done.
+
+        ``on_pass`` gets each pass's report before its ``pass`` event is emitted (``run_pass``).
+        """
         done = 0
         with lease.sigio_ignored():
             while not self._should_stop():
                 started = self._monotonic()
-                report = self.run_pass()
+                report = self.run_pass(on_pass=on_pass)
                 done += 1
-                if on_pass is not None:
-                    on_pass(report)
                 if report.stopped or (max_passes is not None and done >= max_passes):
                     break
                 self._sleep_until(started + self.config.interval_s)
@@ -649,7 +775,9 @@ class Watcher:
                 return
             time.sleep(min(left, _STOP_POLL_S))
 
-    def run_pass(self) -> PassReport:
+    def run_pass(self, *, on_pass: Callable[[PassReport], None] | None = None) -> PassReport:
+        """One pass over every root. ``on_pass`` (the metrics) records the report before the
+        ``pass`` event is emitted: whoever reads that event and then scrapes sees this pass."""
         self.passes += 1
         started_at = self._clock()
         started = self._monotonic()
@@ -695,10 +823,13 @@ class Watcher:
             seconds=seconds,
             errors=sum(1 for r in results if r.error is not None),
         )
-        self._emit(summary)
-        return PassReport(
+        report = PassReport(
             self.passes, started_at, seconds, len(matched), tuple(results), tuple(vanished), summary, stopped
         )
+        if on_pass is not None:
+            on_pass(report)
+        self._emit(summary)
+        return report
 
     def _emit(self, event: Event) -> None:
         if self._on_event is not None:
@@ -730,6 +861,7 @@ class Watcher:
         A plain root is a root whether or not it exists (a missing ``/dev/shm`` is an error to
         report, not a root that went away); a glob names the directories it matches (a
         deleted pod's volume simply stops matching), never a symlink nor anything below one.
+        A glob that matches nothing is told (``root_no_match``) every pass it does not.
         """
         found: dict[Path, _Match] = {}
         for pattern in self._patterns:
@@ -738,12 +870,14 @@ class Watcher:
                     found[pattern.fixed] = _Match(pattern.fixed, pattern, (), _device(pattern.resolved))
                 continue
             base = bases.get(pattern)
-            if base is None:
-                continue
-            for below, dev in _walk(base, pattern.steps):
+            matches = 0
+            for below, dev in _walk(base, pattern.steps) if base is not None else ():
+                matches += 1
                 path = pattern.fixed.joinpath(*below)
                 if path not in found:
                     found[path] = _Match(path, pattern, below, dev)
+            if not matches:
+                self._emit(RootNoMatch(self._clock(), None, None, pattern=pattern.text))
         return list(found.values())
 
     def _pass_holders(self, matched: list[_Match]) -> HolderIndex | None:
@@ -785,41 +919,18 @@ class Watcher:
         except RootError:
             return True
 
-    def _scan(self, root: Path, fd: int, *, fresh: bool = False) -> ScanReport:
-        config = self.config
-        return scan(
-            root,
-            grace_s=config.grace_s,
-            all_users=config.all_users,
-            assume_not_holding=config.assume_not_holding,
-            use_lease=config.use_lease,
-            proc_root=config.proc_root,
-            holders=None if fresh else self._holders,
-            root_fd=fd,
-        )
-
     def _watch_root(self, match: _Match, bases: dict[_Pattern, int]) -> RootPass | None:
         """Scan (and reap) one root; None when it vanished under us."""
         root = match.path
         state = self._roots[root]
         attempted_at = self._clock()
         started = self._monotonic()
-        reaped = None
+        tally = _Tally(self.config.top_engines)
         try:
             with self._opened(match, bases) as fd:
                 self._pin(root, state, fd)
                 removable = self._may_remove(root, state, fd)
-                report = self._scan(root, fd)
-                nominated = _nominate(report, state.orphaned) if removable else {}
-                # What a dead reaper left parked is settled every pass (a live file must get
-                # its name back now; a dead one was proven dead before it was parked, and is
-                # proven dead again under its lease before it goes).
-                if (nominated or (removable and _unsettled(report))) and not self._should_stop():
-                    reaped = self._reap(report, nominated, fd)
-                    self._tell_reaped(root, state, reaped)
-                    if reaped.removed or reaped.restored:
-                        # The metrics and the next nominations must show the disk as it is now.
-                        report = self._scan(root, fd, fresh=True)
+                scanned = self._judge(root, state, fd, tally, removable=removable)
                 usage = _usage(root, fd)
         except _Gone:
             self._vanish(root)  # no directory at the name any more: the glob does not match it
@@ -833,7 +944,7 @@ class Watcher:
                 state.error = problem.message
                 text = problem.message.removeprefix(f"{root}: ")
                 self._emit(RootUnreadable(self._clock(), root, state.pod_uid, error=text))
-            state.orphaned = {}  # a gap in the evidence: nominations start over
+            state.orphaned = _NO_REGIONS  # a gap in the evidence: nominations start over
             return RootPass(
                 root,
                 state.pod_uid,
@@ -841,21 +952,197 @@ class Watcher:
                 self._monotonic() - started,
                 error=problem,
                 last_success=state.last_success,
-                reaped=reaped,
+                reaped=tally.reaped(),
             )
         state.error = None
-        state.last_success = report.scanned_at
-        state.orphaned = _regions_with(report, Status.ORPHANED)
-        self._tell_unknown(root, state, report)
+        state.last_success = scanned.scanned_at
         return RootPass(
             root,
             state.pod_uid,
             attempted_at,
             self._monotonic() - started,
-            report=report,
+            report=scanned,
             usage=usage,
             last_success=state.last_success,
-            reaped=reaped,
+            reaped=tally.reaped(),
+        )
+
+    def _judge(self, root: Path, state: _RootState, fd: int, tally: _Tally, *, removable: bool) -> RootScan:
+        """Judge the root a region at a time (``ScanStream``), remove what was orphaned with the
+        same files in the last pass too, and keep only numbers and the next nominations.
+
+        A region goes to the library's removal (``reap``'s, which locks it and proves it dead
+        again under its lease) in batches as the stream reaches it; nothing but the batch at
+        hand and the keys of the regions is held, however many files the root has.
+        """
+        config = self.config
+        before = state.orphaned
+        # Where something may be removed, the verdicts rest on a /proc pass made now: the pass's
+        # one walk for every root can be minutes old by the time a root's turn comes.
+        fresh = removable and bool(before)
+        orphaned: set[bytes] = set()
+        unknown: set[bytes] = set()
+        pending: list[tuple[ScanEntry, ...]] = []
+        pending_files = 0
+        with ScanStream(
+            root,
+            grace_s=config.grace_s,
+            all_users=config.all_users,
+            assume_not_holding=config.assume_not_holding,
+            use_lease=config.use_lease,
+            proc_root=config.proc_root,
+            holders=None if fresh else self._holders,
+            root_fd=fd,
+        ) as stream:
+            parks, parked = stream.parked()
+            # What a dead reaper left parked is settled every pass (a live file must get its name
+            # back now; a dead one was proven dead before it was parked, and is proven dead again
+            # under its lease before it goes). An engine with parked files is not nominated.
+            waiting = {e.engine_id for e in parked}
+            if removable and any(p.running is False for p in parks) and not self._should_stop():
+                self._settle(root, state, stream, parks, parked, tally)
+            else:
+                for entries in _by_engine(parked).values():
+                    tally.count(entries)
+            for region in stream.regions():
+                if removable and all(e.status is Status.ORPHANED for e in region):
+                    key = _region_key(region)
+                    if key in before and region[0].engine_id not in waiting and not self._should_stop():
+                        pending.append(region)
+                        pending_files += len(region)
+                        if pending_files >= _REMOVAL_BATCH_FILES:
+                            self._remove(root, state, stream, pending, tally, orphaned)
+                            pending, pending_files = [], 0
+                        continue
+                    orphaned.add(key)
+                elif any(e.status is Status.UNKNOWN for e in region):
+                    self._tell_unknown(root, state, region, unknown)
+                tally.count(region)
+            if pending:
+                self._remove(root, state, stream, pending, tally, orphaned)
+            scanned = tally.scan(root, stream)
+        # Most roots have neither: one shared empty set, not two new ones per root and pass.
+        state.orphaned = frozenset(orphaned) if orphaned else _NO_REGIONS
+        state.unknown = frozenset(unknown) if unknown else _NO_REGIONS
+        return scanned
+
+    def _remove(
+        self,
+        root: Path,
+        state: _RootState,
+        stream: ScanStream,
+        regions: list[tuple[ScanEntry, ...]],
+        tally: _Tally,
+        orphaned: set[bytes],
+    ) -> None:
+        """Remove nominated regions (``reap``'s protocol) and count what the removal kept."""
+        # ``reap`` itself would scan the whole root again and hold every entry of it; its
+        # removal takes the regions this stream has just judged, each proven dead again.
+        removed, kept = reaping._reap(
+            stream.dir_fd,
+            [list(r) for r in regions],
+            self.config.proc_root,
+            self.config.assume_not_holding,
+            self._should_stop,
+        )
+        self._tell_removed(root, state, removed, tally)
+        for engine_id, entries in _by_engine(_still_there(stream.dir_fd, kept)).items():
+            if all(e.status is Status.ORPHANED for e in entries):
+                orphaned.add(_region_key(entries))  # kept as it was (stopped, say): next pass
+            # The proof can find what the scan could not see (a file that cannot be opened now).
+            unknown = [e for e in entries if e.status is Status.UNKNOWN]
+            if unknown:
+                self._emit(
+                    KeptUnknown(
+                        self._clock(),
+                        root,
+                        state.pod_uid,
+                        engine_id=engine_id,
+                        bytes=sum(e.resident_bytes for e in unknown),
+                        files=len(unknown),
+                        reason=unknown[0].reason,
+                    )
+                )
+            tally.count(entries)
+
+    def _settle(
+        self,
+        root: Path,
+        state: _RootState,
+        stream: ScanStream,
+        parks: tuple[ParkView, ...],
+        parked: tuple[ScanEntry, ...],
+        tally: _Tally,
+    ) -> None:
+        """Settle what dead reapers left parked, as ``reap`` does before it removes anything."""
+        dead = tuple(e for e in parked if e.parked is not None and not e.parked.reaper_running)
+        empty = [p.name for p in parks if p.running is False and p.files == 0 and p.problem is None]
+        removed: list[ScanEntry] = []
+        kept: list[ScanEntry] = []
+        restored: list[ScanEntry] = []
+        reaping._recover(
+            stream.dir_fd,
+            dead,
+            empty=empty,
+            remove_engines=lambda engine_id: True,
+            use_lease=stream.lease_enabled,
+            removed=removed,
+            kept=kept,
+            restored=restored,
+        )
+        conflicts = [e for e in kept if e.status is Status.PARKED]
+        for action, settled in (("restored", restored), ("conflict", conflicts)):
+            for engine_id, entries in _by_engine(settled).items():
+                self._emit(
+                    ParkedSettled(
+                        self._clock(),
+                        root,
+                        state.pod_uid,
+                        engine_id=engine_id,
+                        action=action,
+                        bytes=sum(e.resident_bytes for e in entries),
+                        files=len(entries),
+                        reason=entries[0].reason,
+                    )
+                )
+        tally.restored += len(restored)
+        tally.conflicts += len(conflicts)
+        tally.settled = True
+        self._tell_removed(root, state, removed, tally)
+        # Given back, a file is at its name again; a conflict waits parked; the rest as judged.
+        left = [e for e in parked if e.parked is None or e.parked.reaper_running]
+        for entries in _by_engine([*restored, *conflicts, *left]).values():
+            tally.count(entries)
+
+    def _tell_removed(self, root: Path, state: _RootState, removed: list[ScanEntry], tally: _Tally) -> None:
+        for engine_id, entries in _by_engine(removed).items():
+            freed = sum(e.resident_bytes for e in entries)
+            self._emit(
+                Removed(
+                    self._clock(), root, state.pod_uid, engine_id=engine_id, bytes=freed, files=len(entries)
+                )
+            )
+            tally.remove(entries)
+
+    def _tell_unknown(
+        self, root: Path, state: _RootState, region: tuple[ScanEntry, ...], told: set[bytes]
+    ) -> None:
+        """``kept_unknown`` for a region that became unknown (or changed files since it was told)."""
+        key = _region_key(region)
+        told.add(key)
+        if key in state.unknown:
+            return  # told already, and nothing about it changed
+        reason = next((e.reason for e in region if e.segment == 0), region[0].reason)
+        self._emit(
+            KeptUnknown(
+                self._clock(),
+                root,
+                state.pod_uid,
+                engine_id=region[0].engine_id,
+                bytes=sum(e.resident_bytes for e in region),
+                files=len(region),
+                reason=reason,
+            )
         )
 
     def _pin(self, root: Path, state: _RootState, fd: int) -> None:
@@ -864,8 +1151,8 @@ class Watcher:
         if state.identity is not None and identity != state.identity:
             self._emit(RootReplaced(self._clock(), root, state.pod_uid, old=state.identity, new=identity))
             # Nothing seen in the old directory carries over: two passes over this one first.
-            state.orphaned = {}
-            state.unknown = {}
+            state.orphaned = _NO_REGIONS
+            state.unknown = _NO_REGIONS
         state.identity = identity
 
     def _may_remove(self, root: Path, state: _RootState, fd: int) -> bool:
@@ -886,119 +1173,123 @@ class Watcher:
             self._emit(RemovalRefused(self._clock(), root, state.pod_uid, reason=reason))
         return False
 
-    def _reap(self, report: ScanReport, nominated: dict[str, list[ScanEntry]], fd: int) -> ReapReport:
-        # ``only`` alone picks the files, by name and inode. No engine filter: it would match
-        # through fnmatch, whose pattern cache (32,768 entries) would keep every engine id an
-        # agent ever reaped, and engines come and go with new ids for as long as it runs.
-        config = self.config
-        chosen = tuple(e for entries in nominated.values() for e in entries)
-        plan = ReapReport(
-            schema_version=SCHEMA_VERSION,
-            root=report.root,
-            dry_run=True,
-            removed=chosen,
-            kept=(),
-            freed_bytes=sum(e.resident_bytes for e in chosen),
-            summary=report.summary,
+
+#: Files handed to the removal at once: whole regions, about ``reap``'s own batch.
+_REMOVAL_BATCH_FILES = reaping.MAX_BATCH_FILES
+
+
+class _Tally:
+    """One root's numbers, added up a region at a time as the pass leaves it (``RootScan``)."""
+
+    def __init__(self, top_engines: int) -> None:
+        self.files = dict.fromkeys(Status, 0)
+        self.resident = dict.fromkeys(Status, 0)
+        self.orphaned_size = 0
+        self.region_size_max = 0
+        self.top_engines = top_engines
+        #: Candidates for the named engines, as (-bytes, engine id): at most twice the names kept.
+        self._engines: list[tuple[int, str]] = []
+        self._other = 0
+        self.removed: list[RemovedFile] = []
+        self.freed = 0
+        self.restored = 0
+        self.conflicts = 0
+        #: A dead reaper's park was settled (the pass reaped, even if nothing went).
+        self.settled = False
+        self._reaped = False
+
+    def count(self, entries: Sequence[ScanEntry]) -> None:
+        """One engine's files as they stand after the pass."""
+        size = 0
+        orphaned: int | None = None
+        for e in entries:
+            self.files[e.status] += 1
+            self.resident[e.status] += e.resident_bytes
+            size += e.size_bytes
+            if e.status is Status.ORPHANED:
+                orphaned = (orphaned or 0) + e.resident_bytes
+                self.orphaned_size += e.size_bytes
+        self.region_size_max = max(self.region_size_max, size)
+        if orphaned is not None:
+            self._engines.append((-orphaned, entries[0].engine_id))
+            if len(self._engines) > 2 * self.top_engines + 64:
+                self._trim()
+
+    def remove(self, entries: Sequence[ScanEntry]) -> None:
+        self._reaped = True
+        self.removed.extend(RemovedFile(e.name) for e in entries)
+        self.freed += sum(e.resident_bytes for e in entries)
+
+    def _trim(self) -> None:
+        self._engines.sort()
+        self._other += sum(-minus for minus, _ in self._engines[self.top_engines :])
+        del self._engines[self.top_engines :]
+
+    def reaped(self) -> RootReap | None:
+        if not (self._reaped or self.settled):
+            return None
+        return RootReap(tuple(self.removed), self.freed, self.restored, self.conflicts)
+
+    def scan(self, root: Path, stream: ScanStream) -> RootScan:
+        self._trim()
+        files, resident = self.files, self.resident
+        summary = ScanSummary(
+            total=sum(files.values()),
+            live=files[Status.LIVE],
+            orphaned=files[Status.ORPHANED],
+            starting=files[Status.STARTING],
+            unknown=files[Status.UNKNOWN],
+            skipped=files[Status.SKIPPED],
+            orphaned_size_bytes=self.orphaned_size,
+            orphaned_resident_bytes=resident[Status.ORPHANED],
+            resident_bytes=sum(b for status, b in resident.items() if status is not Status.SKIPPED),
+            uninspected_processes=len(stream.uninspected),
+            unknown_resident_bytes=resident[Status.UNKNOWN],
+            parked=files[Status.PARKED],
+            parked_resident_bytes=resident[Status.PARKED],
         )
-        return reap(
-            report.root,
-            grace_s=config.grace_s,
-            all_users=config.all_users,
-            assume_not_holding=config.assume_not_holding,
-            use_lease=config.use_lease,
-            proc_root=config.proc_root,
-            only=plan,
-            should_stop=self._should_stop,
-            root_fd=fd,
-            any_filesystem=config.any_filesystem,
+        return RootScan(
+            root=root,
+            scanned_at=stream.scanned_at or time.time(),
+            summary=summary,
+            resident_bytes=dict(resident),
+            orphaned_engines=tuple((engine_id, -minus) for minus, engine_id in self._engines),
+            orphaned_other_bytes=self._other,
+            region_size_max=self.region_size_max,
+            unlinked_mapped_bytes=sum(d.mapped_bytes for d in stream.deleted),
         )
 
-    def _tell_reaped(self, root: Path, state: _RootState, reaped: ReapReport) -> None:
-        for action, settled in (("restored", reaped.restored), ("conflict", reaped.conflicts)):
-            for engine_id, entries in _by_engine(settled).items():
-                self._emit(
-                    ParkedSettled(
-                        self._clock(),
-                        root,
-                        state.pod_uid,
-                        engine_id=engine_id,
-                        action=action,
-                        bytes=sum(e.resident_bytes for e in entries),
-                        files=len(entries),
-                        reason=entries[0].reason,
-                    )
-                )
-        for engine_id, entries in _by_engine(reaped.removed).items():
-            files = len(entries)
-            freed = sum(e.resident_bytes for e in entries)
-            self._emit(
-                Removed(self._clock(), root, state.pod_uid, engine_id=engine_id, bytes=freed, files=files)
-            )
-        # The re-proof can find what the scan could not see (a file that cannot be opened now).
-        for engine_id, entries in _by_engine(
-            tuple(e for e in reaped.kept if e.status is Status.UNKNOWN)
-        ).items():
-            self._emit(
-                KeptUnknown(
-                    self._clock(),
-                    root,
-                    state.pod_uid,
-                    engine_id=engine_id,
-                    bytes=sum(e.resident_bytes for e in entries),
-                    files=len(entries),
-                    reason=entries[0].reason,
-                )
-            )
 
-    def _tell_unknown(self, root: Path, state: _RootState, report: ScanReport) -> None:
-        unknown = _by_engine(report.with_status(Status.UNKNOWN))
-        now = {engine: frozenset(e.identity for e in entries) for engine, entries in unknown.items()}
-        for engine_id, entries in unknown.items():
-            if state.unknown.get(engine_id) == now[engine_id]:
-                continue  # told already, and nothing about it changed
-            reason = next((e.reason for e in entries if e.segment == 0), entries[0].reason)
-            self._emit(
-                KeptUnknown(
-                    self._clock(),
-                    root,
-                    state.pod_uid,
-                    engine_id=engine_id,
-                    bytes=sum(e.resident_bytes for e in entries),
-                    files=len(entries),
-                    reason=reason,
-                )
-            )
-        state.unknown = now
-
-
-def _unsettled(report: ScanReport) -> bool:
-    """Did a dead reaper leave anything in this root (parked files, an empty park directory)?"""
-    return any(p.running is False for p in report.parks)
-
-
-def _by_engine(entries: tuple[ScanEntry, ...]) -> dict[str, list[ScanEntry]]:
+def _by_engine(entries: Iterable[ScanEntry]) -> dict[str, list[ScanEntry]]:
     groups: dict[str, list[ScanEntry]] = {}
     for e in entries:
         groups.setdefault(e.engine_id, []).append(e)
     return groups
 
 
-def _regions_with(report: ScanReport, status: Status) -> dict[str, Identities]:
-    """The identities of each region all of whose files have ``status``."""
-    groups = _by_engine(report.entries)
-    return {
-        engine: frozenset(e.identity for e in entries)
-        for engine, entries in groups.items()
-        if all(e.status is status for e in entries)
-    }
+def _region_key(entries: Sequence[ScanEntry]) -> bytes:
+    """A region in one bytes object: its engine id, NUL, and its files' ``(st_dev, st_ino)``
+    sorted. Equal keys: the same engine with exactly the same files (no id holds a NUL)."""
+    identities = sorted(e.identity for e in entries)
+    packed = struct.pack(f"<{2 * len(identities)}Q", *itertools.chain.from_iterable(identities))
+    return entries[0].engine_id.encode("utf-8", "surrogatepass") + b"\0" + packed
 
 
-def _nominate(report: ScanReport, before: dict[str, Identities]) -> dict[str, list[ScanEntry]]:
-    """Regions orphaned now with exactly the files (by inode) they were orphaned with last pass."""
-    now = _regions_with(report, Status.ORPHANED)
-    groups = _by_engine(report.entries)
-    return {engine: groups[engine] for engine, ids in now.items() if before.get(engine) == ids}
+def _still_there(dir_fd: int, kept: list[ScanEntry]) -> list[ScanEntry]:
+    """The kept entries whose file is still at its name (a file someone else removed meanwhile is
+    not counted); a parked conflict waits in its park directory, and is."""
+    there = []
+    for e in kept:
+        if e.status is Status.PARKED:
+            there.append(e)
+            continue
+        try:
+            st = os.stat(e.name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == e.identity:
+            there.append(e)
+    return there
 
 
 def _usage(root: Path, fd: int) -> Usage:

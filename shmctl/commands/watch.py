@@ -3,8 +3,9 @@
 Events go to stdout as JSON lines (nothing else does); ``--listen`` serves ``/metrics`` and
 ``/healthz``. SIGTERM and SIGINT finish the file at hand and exit 0. Which directories are
 roots, and where ``--reap`` may remove, is in ``docs/watch-roots.md``. Exit status: 0 stopped
-(or ``--once``/``--max-passes`` done), 2 usage (a bad glob, ``--listen`` address or port in
-use: before anything is scanned). A root's trouble is an event, never an exit.
+(or ``--once``/``--max-passes`` done), 2 usage (a bad glob or one whose fixed part does not
+exist, ``--listen`` address or port in use, ``--reap`` with one pass: before anything is
+scanned). A root's trouble is an event, never an exit.
 """
 
 from __future__ import annotations
@@ -65,10 +66,15 @@ def watch(
         typer.Option(
             "--listen",
             metavar="HOST:PORT",
-            help="Serve /metrics and /healthz here (e.g. 127.0.0.1:9477; port 0: any).",
+            help=(
+                "Serve /metrics and /healthz here: HOST:PORT, [IPV6]:PORT, or :PORT for every "
+                "address (e.g. 127.0.0.1:9477; port 0: any)."
+            ),
         ),
     ] = None,
-    once: Annotated[bool, typer.Option("--once", help="One pass, then exit.")] = False,
+    once: Annotated[
+        bool, typer.Option("--once", help="One pass, then exit (not with --reap: removal needs two passes).")
+    ] = False,
     max_passes: Annotated[
         int | None, typer.Option("--max-passes", min=1, metavar="N", help="Exit after N passes.")
     ] = None,
@@ -97,6 +103,14 @@ def watch(
     from shmctl.render import warning_line
     from shmctl.render import watch as render
 
+    passes = 1 if once else max_passes
+    if reap and passes == 1:
+        key, flag = ("--once", "--once") if once else ("--max-passes", "--max-passes 1")
+        raise ConfigError(
+            key,
+            f"with --reap nothing would ever be removed: removal needs two passes ({flag} runs one)",
+            fix="pass --max-passes 2 instead, or run 'shmctl reap' for a one-off removal",
+        )
     interval_s = parse_duration(interval, option="--interval")
     if interval_s <= 0:
         raise ConfigError("--interval", "must be more than 0", fix="pass a duration such as 30s or 1m")
@@ -122,7 +136,7 @@ def watch(
         with render.serving(listen, metrics) if listen is not None else contextlib.nullcontext() as bound:
             if bound is not None:
                 warning_line(f"serving /metrics and /healthz on http://{_hostport(*bound)}", note=True)
-            watcher.run(max_passes=1 if once else max_passes, on_pass=metrics.record)
+            watcher.run(max_passes=passes, on_pass=metrics.record)
             metrics.alive = False
     finally:
         for sig, handler in previous.items():

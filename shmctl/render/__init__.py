@@ -85,12 +85,38 @@ def dumps(document: Any, *, pretty: bool = False) -> str:
     )
 
 
+def json_text(document: Any, *, pretty: bool = False) -> str:
+    """``document`` as JSON that encodes to UTF-8 strictly, whatever bytes its names held.
+
+    The one escaping of every JSON output (``scan --json``, ``reap --json``, ``watch``'s
+    events): a byte of a file name that is not UTF-8 reaches us as a lone surrogate
+    (``os.listdir``'s surrogateescape), which UTF-8 cannot encode; it is written as its JSON
+    escape ``\\udcXX``. ``json.loads`` gives the surrogate back, and ``os.fsencode`` the byte.
+    Every other character is written as itself.
+    """
+    return dumps(document, pretty=pretty).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def write_utf8(text: str, stream: IO[str] | None = None) -> None:
+    """``text`` as UTF-8 bytes on ``stream`` (stdout), whatever its encoding says.
+
+    JSON is UTF-8 (RFC 8259): under ``LANG=C`` or ``PYTHONIOENCODING=ascii`` a text stream
+    would refuse a pod's non-ASCII name, so the bytes go to its binary buffer. A stream with
+    no buffer (``io.StringIO``) takes the text as it is.
+    """
+    out = sys.stdout if stream is None else stream
+    buffer = getattr(out, "buffer", None)
+    if buffer is None:
+        out.write(text)
+        out.flush()
+        return
+    out.flush()  # what the text layer holds goes first
+    buffer.write(text.encode("utf-8"))
+    buffer.flush()
+
+
 def emit_json(document: Any) -> None:
-    text = dumps(document, pretty=sys.stdout.isatty())
-    # A file name that is not UTF-8 reaches us as lone surrogates (os.listdir's surrogateescape),
-    # which no stdout can encode. "\udcff" is their JSON escape: json.loads gives the name back.
-    sys.stdout.write(text.encode("utf-8", "backslashreplace").decode("utf-8") + "\n")
-    sys.stdout.flush()
+    write_utf8(json_text(document, pretty=sys.stdout.isatty()) + "\n")
 
 
 def printable(text: str, *, escape_backslash: bool = True) -> str:

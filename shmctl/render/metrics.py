@@ -9,8 +9,16 @@ across passes.
 
 ``shmctl watch`` builds its expositions with ``pod_uid_label=True``: every per-root series
 gains the label ``pod_uid`` (the UID in a kubelet volume path, empty elsewhere), and it adds
-``add_region_sizes`` and ``add_watch``. Without the flag the output is exactly the one-shot
+``add_watched`` and ``add_watch``. Without the flag the output is exactly the one-shot
 command's.
+
+Every series count is bounded, however many engines leak or roots a node has: per root, the
+``top_engines`` engines pinning most orphaned memory are named and the rest summed as
+``engine_id="other"``; in the agent, the ``top_roots`` roots pinning most (``rank_roots``) have
+series of their own and the rest are folded into ``root="other"`` (``add_watched``, and
+docs/agent-memory.md for what each family's ``other`` holds). A scrape of 10,000 roots is
+then as large as one of ``top_roots``. The series are built from numbers (``RootNumbers``),
+never from a scan's entries, so an exposition's memory does not grow with files either.
 
 Values are exact: the client writes every number with ``repr`` (Go's exponent form from 1e6
 on, as node_exporter does), so sizes keep every byte below 2**53 and ``time.time()`` keeps
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -42,11 +50,17 @@ from kvoffload.liveness.scan import ScanReport, Status
 
 if TYPE_CHECKING:
     from kvoffload.liveness.reap import ReapReport
+    from kvoffload.liveness.watch import RootScan
 
 FILENAME = "shmctl.prom"
 DEFAULT_TOP_ENGINES = 10
 #: The engine_id of the series that sums every orphaned engine not exported by name.
 OTHER_ENGINES = "other"
+#: Roots ``shmctl watch`` exports by name (``--top-roots``): a node's pods, with room to spare.
+DEFAULT_TOP_ROOTS = 100
+#: The root label of the series that fold every root not exported by name (no root's path
+#: is relative, so no root is named this).
+OTHER_ROOTS = "other"
 LAST_SUCCESS = "shmctl_last_success_timestamp_seconds"
 
 
@@ -81,11 +95,113 @@ class ReapCounters:
         self.files[root] = self.files.get(root, 0) + removed
         self.resident_bytes[root] = self.resident_bytes.get(root, 0) + freed
 
+    def add(self, label: str, files: int, freed_bytes: int) -> None:
+        """Count ``files`` removed, ``freed_bytes`` freed, under the root label ``label``."""
+        self.files[label] = self.files.get(label, 0) + files
+        self.resident_bytes[label] = self.resident_bytes.get(label, 0) + freed_bytes
+
     def forget(self, root: Path | str) -> None:
         """Drop a vanished root's counters: series of pods long gone must not pile up."""
         label = label_text(str(root))
         self.files.pop(label, None)
         self.resident_bytes.pop(label, None)
+
+
+#: Verdicts in the order their ``files``/``resident_bytes`` tuples hold them.
+STATUSES = tuple(Status)
+
+
+@dataclass(frozen=True, slots=True)
+class RootNumbers:
+    """Every number of a scanned root's series: what an exposition needs of a scan, no entry."""
+
+    scanned_at: float
+    scan_seconds: float
+    #: Files and resident bytes per verdict, in ``STATUSES`` order.
+    files: tuple[int, ...]
+    resident_bytes: tuple[int, ...]
+    orphaned_bytes: int
+    #: Named orphaned engines (label text), largest first; ``orphaned_other_bytes`` is the rest.
+    orphaned_engines: tuple[tuple[str, int], ...]
+    orphaned_other_bytes: int
+    unlinked_mapped_bytes: int
+    uninspected_processes: int
+    size_bytes: int
+    free_bytes: int
+    #: The largest region's apparent size; None where it is not exported (the one-shot command).
+    region_size_max: int | None = None
+
+    @classmethod
+    def of_report(
+        cls, report: ScanReport, usage: DiskUsage, *, scan_seconds: float, top_engines: int
+    ) -> RootNumbers:
+        ranked = orphan_bytes_by_engine(report, top_engines)
+        return cls(
+            scanned_at=report.scanned_at,
+            scan_seconds=scan_seconds,
+            files=tuple(len(report.with_status(s)) for s in STATUSES),
+            resident_bytes=tuple(sum(e.resident_bytes for e in report.with_status(s)) for s in STATUSES),
+            orphaned_bytes=report.summary.orphaned_resident_bytes,
+            orphaned_engines=tuple(ranked[:-1]),
+            orphaned_other_bytes=ranked[-1][1],
+            unlinked_mapped_bytes=sum(d.mapped_bytes for d in report.deleted),
+            uninspected_processes=len(report.uninspected),
+            size_bytes=usage.total,
+            free_bytes=usage.free,
+        )
+
+    @classmethod
+    def of_watch(
+        cls, scan: RootScan, usage: DiskUsage, *, scan_seconds: float, top_engines: int
+    ) -> RootNumbers:
+        """A watch pass's ``RootScan`` (the agent keeps no entries; it counted them as it went)."""
+        summary = scan.summary
+        count = {
+            Status.LIVE: summary.live,
+            Status.ORPHANED: summary.orphaned,
+            Status.STARTING: summary.starting,
+            Status.UNKNOWN: summary.unknown,
+            Status.SKIPPED: summary.skipped,
+            Status.PARKED: summary.parked,
+        }
+        ranked = rank_engines(scan.orphaned_engines, scan.orphaned_other_bytes, top_engines)
+        return cls(
+            scanned_at=scan.scanned_at,
+            scan_seconds=scan_seconds,
+            files=tuple(count.get(s, 0) for s in STATUSES),
+            resident_bytes=tuple(scan.resident_bytes.get(s, 0) for s in STATUSES),
+            orphaned_bytes=summary.orphaned_resident_bytes,
+            orphaned_engines=tuple(ranked[:-1]),
+            orphaned_other_bytes=ranked[-1][1],
+            unlinked_mapped_bytes=scan.unlinked_mapped_bytes,
+            uninspected_processes=summary.uninspected_processes,
+            size_bytes=usage.total,
+            free_bytes=usage.free,
+            region_size_max=scan.region_size_max,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RootSeries:
+    """One root as a long-running process last saw it: its numbers, or the error that stopped its scan."""
+
+    #: The root's label (``label_text``) and its pod's UID ("" outside a kubelet volume).
+    root: str
+    pod_uid: str
+    attempted_at: float
+    last_success: float | None
+    numbers: RootNumbers | None = None
+    error: str | None = None
+
+    @property
+    def orphaned_bytes(self) -> int:
+        return self.numbers.orphaned_bytes if self.numbers is not None else 0
+
+
+def rank_roots(roots: Iterable[RootSeries], top: int) -> frozenset[str]:
+    """The labels of the ``top`` roots whose orphans pin most memory (ties by root label)."""
+    ranked = sorted(roots, key=lambda r: (-r.orphaned_bytes, r.root))
+    return frozenset(r.root for r in ranked[:top])
 
 
 class Exposition:
@@ -234,22 +350,77 @@ class Exposition:
 
     def add_scan(self, report: ScanReport, usage: DiskUsage, *, scan_seconds: float) -> None:
         """Every series of one scanned root."""
-        root = self._root_labels(report.root)
+        numbers = RootNumbers.of_report(
+            report, usage, scan_seconds=scan_seconds, top_engines=self.top_engines
+        )
+        self.add_numbers(self._root_labels(report.root), numbers)
+
+    def add_numbers(self, root: list[str], numbers: RootNumbers) -> None:
+        """Every series of one scanned root (``root``: its label values), from its numbers."""
         self.scan_success.add_metric(root, 1)
-        self.last_run.add_metric(root, report.scanned_at)
-        self.last_success.add_metric(root, report.scanned_at)
-        self.scan_duration.add_metric(root, scan_seconds)
-        for status in Status:
-            entries = report.with_status(status)
-            self.regions.add_metric([*root, status.value], len(entries))
-            self.region_resident.add_metric([*root, status.value], sum(e.resident_bytes for e in entries))
-        self.orphan.add_metric(root, report.summary.orphaned_resident_bytes)
-        for engine_id, resident in orphan_bytes_by_engine(report, self.top_engines):
+        self.last_run.add_metric(root, numbers.scanned_at)
+        self.last_success.add_metric(root, numbers.scanned_at)
+        self.scan_duration.add_metric(root, numbers.scan_seconds)
+        for status, files, resident in zip(STATUSES, numbers.files, numbers.resident_bytes, strict=True):
+            self.regions.add_metric([*root, status.value], files)
+            self.region_resident.add_metric([*root, status.value], resident)
+        self.orphan.add_metric(root, numbers.orphaned_bytes)
+        for engine_id, resident in rank_engines(
+            numbers.orphaned_engines, numbers.orphaned_other_bytes, self.top_engines
+        ):
             self.orphan_engine.add_metric([*root, engine_id], resident)
-        self.unlinked_mapped.add_metric(root, sum(d.mapped_bytes for d in report.deleted))
-        self.uninspected.add_metric(root, len(report.uninspected))
-        self.root_size.add_metric(root, usage.total)
-        self.root_free.add_metric(root, usage.free)
+        self.unlinked_mapped.add_metric(root, numbers.unlinked_mapped_bytes)
+        self.uninspected.add_metric(root, numbers.uninspected_processes)
+        self.root_size.add_metric(root, numbers.size_bytes)
+        self.root_free.add_metric(root, numbers.free_bytes)
+        if numbers.region_size_max is not None:
+            self.region_size_max.add_metric(root, numbers.region_size_max)
+
+    def add_watched(self, roots: Sequence[RootSeries], named: Collection[str]) -> None:
+        """The agent's roots: those in ``named`` (``rank_roots``) with series of their own, every
+        other one folded into the series of ``root="other"`` (docs/agent-memory.md)."""
+        folded = []
+        for series in roots:
+            if series.root not in named:
+                folded.append(series)
+                continue
+            labels = [series.root, series.pod_uid]
+            if series.numbers is not None:
+                self.add_numbers(labels, series.numbers)
+            else:
+                self._add_error(labels, series.error or "", series.attempted_at, series.last_success)
+        if folded:
+            self._add_folded(folded)
+
+    def _add_folded(self, roots: list[RootSeries]) -> None:
+        """``root="other"``: sums of the folded roots' counts and bytes; success 0 if any failed;
+        last run the latest, last success the oldest; the free space and largest region of the
+        one with the least room for its largest region; uninspected processes the most."""
+        label = [OTHER_ROOTS, ""]
+        scanned = [r.numbers for r in roots if r.numbers is not None]
+        self.scan_success.add_metric(label, 0 if len(scanned) < len(roots) else 1)
+        self.last_run.add_metric(
+            label, max(r.attempted_at if r.numbers is None else r.numbers.scanned_at for r in roots)
+        )
+        successes = [r.numbers.scanned_at if r.numbers is not None else r.last_success for r in roots]
+        known = [t for t in successes if t is not None]
+        if known:
+            self.last_success.add_metric(label, min(known))
+        if not scanned:
+            return
+        self.scan_duration.add_metric(label, sum(n.scan_seconds for n in scanned))
+        for i, status in enumerate(STATUSES):
+            self.regions.add_metric([*label, status.value], sum(n.files[i] for n in scanned))
+            self.region_resident.add_metric([*label, status.value], sum(n.resident_bytes[i] for n in scanned))
+        orphaned = sum(n.orphaned_bytes for n in scanned)
+        self.orphan.add_metric(label, orphaned)
+        self.orphan_engine.add_metric([*label, OTHER_ENGINES], orphaned)
+        self.unlinked_mapped.add_metric(label, sum(n.unlinked_mapped_bytes for n in scanned))
+        self.uninspected.add_metric(label, max(n.uninspected_processes for n in scanned))
+        tightest = min(scanned, key=lambda n: n.free_bytes - (n.region_size_max or 0))
+        self.root_size.add_metric(label, tightest.size_bytes)
+        self.root_free.add_metric(label, tightest.free_bytes)
+        self.region_size_max.add_metric(label, tightest.region_size_max or 0)
 
     def _root_labels(self, root: Path | str) -> list[str]:
         """The label values that name a root: ``root``, and ``pod_uid`` when it is on."""
@@ -284,10 +455,14 @@ class Exposition:
         self, root: Path, error: RootError, *, attempted_at: float, last_success: float | None
     ) -> None:
         """A root that could not be read: success 0, the error, and no figure that could be stale."""
-        label = self._root_labels(root)
-        self.scan_success.add_metric(label, 0)
         # The root is its own label; the error label is the problem (a handful of texts per root).
         problem = error.message.removeprefix(f"{error.root}: ")
+        self._add_error(self._root_labels(root), problem, attempted_at, last_success)
+
+    def _add_error(
+        self, label: list[str], problem: str, attempted_at: float, last_success: float | None
+    ) -> None:
+        self.scan_success.add_metric(label, 0)
         self.scan_error.add_metric(label, {"error": label_text(problem)})
         self.last_run.add_metric(label, attempted_at)
         if last_success is not None:
@@ -318,10 +493,19 @@ def orphan_bytes_by_engine(report: ScanReport, top: int) -> list[tuple[str, int]
     """
     per_engine: dict[str, int] = {}
     for entry in report.with_status(Status.ORPHANED):
-        engine_id = label_text(entry.engine_id)
-        per_engine[engine_id] = per_engine.get(engine_id, 0) + entry.resident_bytes
-    rest = per_engine.pop(OTHER_ENGINES, 0)
-    ranked = sorted(per_engine.items(), key=lambda item: (-item[1], item[0]))
+        per_engine[entry.engine_id] = per_engine.get(entry.engine_id, 0) + entry.resident_bytes
+    return rank_engines(per_engine.items(), 0, top)
+
+
+def rank_engines(engines: Iterable[tuple[str, int]], rest: int, top: int) -> list[tuple[str, int]]:
+    """``engines`` (id, orphaned bytes) as label text, the ``top`` largest (ties by label) and
+    ``other`` (``rest`` plus the others, always last): ``orphan_bytes_by_engine``'s rule."""
+    per_label: dict[str, int] = {}
+    for engine_id, resident in engines:
+        label = label_text(engine_id)
+        per_label[label] = per_label.get(label, 0) + resident
+    rest += per_label.pop(OTHER_ENGINES, 0)
+    ranked = sorted(per_label.items(), key=lambda item: (-item[1], item[0]))
     rest += sum(resident for _, resident in ranked[top:])
     return [*ranked[:top], (OTHER_ENGINES, rest)]
 
