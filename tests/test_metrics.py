@@ -225,6 +225,7 @@ def test_a_root_that_cannot_be_read_exports_scan_success_0_and_exits_3(
         series("shmctl_build_info", version=version("shmctl")): 1,
         series("shmctl_scan_success", root=str(root)): 0,
         series("shmctl_scan_error_info", root=str(root), error=problem): 1,
+        series("shmctl_lease_break_time_seconds"): lease.break_time_s(),
     }
 
 

@@ -214,7 +214,8 @@ class ParkDir:
         if fd is None:
             return
         try:
-            remove_if_empty(self._root_fd, self.name or "", fd)
+            with contextlib.suppress(OSError):  # left behind, it is settled by the next reap
+                remove_if_empty(self._root_fd, self.name or "", fd)
         finally:
             os.close(fd)
 

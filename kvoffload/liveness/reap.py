@@ -18,31 +18,42 @@ removed it is proven again (anchors D5), with every file of the group:
    a. ``F_SETLEASE F_WRLCK`` must be granted (refused: someone opened it since the scan);
    b. the name is re-``lstat``ed: still a regular file, one link, the same inode;
    c. no opener may have arrived (``lease.contested``: ``F_GETLEASE`` and a second take);
-   d. the name is renamed (``RENAME_NOREPLACE``) to a private, unguessable name of the
-      region pattern, and the lease checked again; the lease is released. An opener that
-      resolved the name a moment before is in the kernel on our inode: ``F_GETLEASE`` shows
-      a break only once it reaches ``break_lease``, but taking the held lease again fails as
-      soon as it counts itself among the inode's opens (a fanotify permission check can hold
-      it in between), so both are asked;
+   d. the file is moved into this reaper's park directory (``park.ParkDir``: 0700, locked
+      while the reaper runs) under its own name, and the move is proven: ``fstatat`` of the
+      parked name must be the leased inode, a regular file with one link, else it is someone
+      else's file (an engine re-created the name, a symlink or directory was swapped in, in
+      the instant before the rename) and goes straight back (``RENAME_NOREPLACE``). Then the
+      lease is checked again and released. An opener that resolved the name a moment before
+      is in the kernel on our inode: ``F_GETLEASE`` shows a break only once it reaches
+      ``break_lease``, but taking the held lease again fails as soon as it counts itself
+      among the inode's opens (a fanotify permission check can hold it in between), so both
+      are asked;
    e. after all files of the batch are parked and a short wait (``PARK_SETTLE_S``), each is
-      leased and checked once more, then its private name is unlinked. Any sign of an opener
-      at c, d or e keeps the file and gives its name back (the opener gets the file it asked
-      for, intact: "raced with an opener"). A reaper that dies meanwhile leaves one file under
-      a region-pattern name, which a later reap judges like any other. What no check can see
-      is an opener that resolved the name before the rename and is then kept off the CPU,
-      before it counts itself among the inode's opens, for longer than that wait: Linux has
-      no unlink-by-inode, and such an opener gets the removed file.
+      leased and checked once more, its parked name proven to be the inode again, unlinked
+      inside the park directory (no other user can put a file there), and its link count
+      proven 0. Any sign of an opener at c, d or e gives every parked file of the region its
+      name back (the opener gets the file it asked for, intact: "raced with an opener"); a
+      name taken meanwhile leaves the file parked, reported as a conflict. What no check can
+      see is an opener that resolved the name before the rename and is then kept off the
+      CPU, before it counts itself among the inode's opens, for longer than that wait: Linux
+      has no unlink-by-inode, and such an opener gets the removed file.
 
    Where no lease could be taken, a fresh ``/proc`` pass restricted to the locked inodes
-   (one per batch of regions, see ``batch_files``) must show no holder and no
-   uninspected process, and the name is re-``lstat``ed and unlinked;
+   (one per batch of regions, see ``batch_files``) must show no holder and no uninspected
+   process; the name is re-``lstat``ed, and the file parked, proven and unlinked as above;
 5. segments first and the base last, so a new creator can only win ``O_EXCL`` on the base
    once the whole old region is gone;
 6. locks released by closing the fds.
 
-Nothing here follows a link, creates, truncates or chmods anything, or touches a name
-outside the region pattern. An item that fails any check is kept, with the reason; a
-failure to unlink one item is reported, never raised.
+A reaper killed at any point leaves its park directory, unlocked. Every reap first settles
+what dead reapers left (``_recover``): files proven dead again are removed, the rest get
+their names back, a name taken meanwhile is a conflict (both kept). docs/reap-protocol.md
+has every outcome.
+
+Nothing here follows a link, truncates or chmods anything, creates anything but the park
+directory, or touches a name outside the region pattern. An item that fails any check is
+kept, with the reason; a failure to unlink one item is reported, never raised. Removal
+happens only on tmpfs or hugetlbfs unless the caller says otherwise (``any_filesystem``).
 """
 
 from __future__ import annotations
@@ -253,7 +264,7 @@ def reap(
     ``should_stop`` is asked before each region is locked (a long-running caller's SIGTERM):
     once it answers True, the regions not yet begun are kept, still ``orphaned``, with the
     reason. A region already locked is finished, so nothing is ever left half-removed or
-    parked under a private name.
+    parked.
 
     ``root_fd`` is the root's directory, already open (see ``scan.open_root``): the scan and
     every removal then act on that directory, never on whatever ``root`` names by now.
