@@ -46,7 +46,7 @@ removed it is proven again (anchors D5), with every file of the group:
 6. locks released by closing the fds.
 
 A reaper killed at any point leaves its park directory, unlocked. Every reap first settles
-what dead reapers left (``_recover``): files proven dead again are removed, the rest get
+what dead reapers left (``settle_parked``): files proven dead again are removed, the rest get
 their names back, a name taken meanwhile is a conflict (both kept). docs/reap-protocol.md
 has every outcome.
 
@@ -352,7 +352,7 @@ def _reap_root(
         removed = []
         with lease.sigio_ignored():
             if parked or empty:
-                _recover(
+                settle_parked(
                     dir_fd,
                     parked,
                     empty=empty,
@@ -365,7 +365,9 @@ def _reap_root(
             groups: dict[str, list[ScanEntry]] = {}
             for e in chosen:
                 groups.setdefault(e.engine_id, []).append(e)
-            done, stay = _reap(dir_fd, groups.values(), proc_root, frozenset(assume_not_holding), should_stop)
+            done, stay = remove_regions(
+                dir_fd, groups.values(), proc_root, frozenset(assume_not_holding), should_stop
+            )
         removed.extend(done)
         kept.extend(stay)
     return ReapReport(
@@ -401,14 +403,22 @@ def _errname(e: OSError) -> str:
     return errno.errorcode.get(e.errno or 0, e.strerror or str(e))
 
 
-def _reap(
+def remove_regions(
     dir_fd: int,
     groups: Iterable[list[ScanEntry]],
     proc_root: Path,
     assume_not_holding: frozenset[int],
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[ScanEntry], list[ScanEntry]]:
-    """Reap region by region, in batches sized to the fds free now (``batch_files``)."""
+    """Remove regions proven orphaned, each proven dead again first (the module docstring's
+    protocol), in batches sized to the fds free now (``batch_files``); (removed, kept).
+
+    For a caller that judged the root itself (``shmctl watch`` streams a root of 100,000
+    files region by region rather than hold a whole ``ScanReport``): ``groups`` are whole
+    regions with this pass's evidence (``lease`` decides whether each is re-proven under its
+    write lease or by a fresh ``/proc`` pass), ``dir_fd`` the root they were judged in, and
+    the caller must hold ``lease.sigio_ignored()``. Everything else should call ``reap``.
+    """
     removed: list[ScanEntry] = []
     kept: list[ScanEntry] = []
     with park.ParkDir(dir_fd, proc_root=proc_root) as parking:
@@ -729,7 +739,7 @@ def _restore(
     return _kept(e, status, why)
 
 
-def _recover(
+def settle_parked(
     dir_fd: int,
     parked: Sequence[ScanEntry],
     *,

@@ -1038,7 +1038,7 @@ class Watcher:
         """Remove nominated regions (``reap``'s protocol) and count what the removal kept."""
         # ``reap`` itself would scan the whole root again and hold every entry of it; its
         # removal takes the regions this stream has just judged, each proven dead again.
-        removed, kept = reaping._reap(
+        removed, kept = reaping.remove_regions(
             stream.dir_fd,
             [list(r) for r in regions],
             self.config.proc_root,
@@ -1080,7 +1080,7 @@ class Watcher:
         removed: list[ScanEntry] = []
         kept: list[ScanEntry] = []
         restored: list[ScanEntry] = []
-        reaping._recover(
+        reaping.settle_parked(
             stream.dir_fd,
             dead,
             empty=empty,

@@ -90,6 +90,15 @@ def watch(
             help='Orphaned engines exported by engine_id per root; the rest are summed as "other".',
         ),
     ] = 10,
+    top_roots: Annotated[
+        int,
+        typer.Option(
+            "--top-roots",
+            min=0,
+            metavar="N",
+            help='Roots exported by name (most orphaned bytes first); the rest are folded into root="other".',
+        ),
+    ] = 100,
 ) -> None:
     """Watch every shm root of a node: JSON events on stdout, metrics over HTTP, --reap the dead."""
     import contextlib
@@ -123,13 +132,16 @@ def watch(
         assume_not_holding=frozenset(assume_not_holding or ()),
         use_lease=not no_lease,
         any_filesystem=any_filesystem,
+        top_engines=top_engines,
     )
     stop = threading.Event()
 
     def _stop(signum: int, frame: object) -> None:
         stop.set()
 
-    metrics = render.WatchMetrics(interval_s=interval_s, top_engines=top_engines, reaping=reap)
+    metrics = render.WatchMetrics(
+        interval_s=interval_s, top_engines=top_engines, top_roots=top_roots, reaping=reap
+    )
     watcher = Watcher(config, on_event=render.EventWriter(), should_stop=stop.is_set)
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -34,6 +34,7 @@ This module imports prometheus_client; only the metrics code paths import this m
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Collection, Iterable, Sequence
@@ -510,8 +511,12 @@ def rank_engines(engines: Iterable[tuple[str, int]], rest: int, top: int) -> lis
     return [*ranked[:top], (OTHER_ENGINES, rest)]
 
 
+@functools.cache
 def build_version() -> str:
-    """The installed distribution's version (``shmctl.__version__`` when it is not installed)."""
+    """The installed distribution's version (``shmctl.__version__`` when it is not installed).
+
+    Read once per process: package metadata is files on disk, and an agent scraped every few
+    seconds (under a flood of connections, say) must not reopen them each time."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
