@@ -101,6 +101,7 @@ def exit_status_for(error: BaseException) -> ExitStatus:
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: run the app, map errors to exit codes, never a traceback."""
     args = sys.argv[1:] if argv is None else argv
+    _reopen_closed_std_streams()
     if not args:
         args = ["--help"]  # a bare `shmctl` is a request for help, not a usage error
     try:
@@ -162,6 +163,31 @@ def _stdout_reader_gone() -> bool:
         return any(events & select.POLLERR for _, events in poller.poll(0))
     except (OSError, ValueError):  # no stdout at all
         return False
+
+
+def _reopen_closed_std_streams() -> None:
+    """Give a standard fd that was closed (``shmctl scan >&-``, ``reap <&-``) /dev/null.
+
+    Python then starts with ``sys.stdout`` (or stdin, stderr) None, and every command that
+    looks at it would raise. Worse, the next file opened would get that fd number: a region
+    file opened as fd 1 would receive what the report writes. /dev/null fills the gap: what
+    is written goes nowhere, as the caller asked, a closed stdin reads as end of file (no
+    terminal to confirm on), and the exit status is the command's own.
+    """
+    import os
+
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this very one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        errors = "backslashreplace" if name == "stderr" else "surrogateescape"
+        setattr(sys, name, open(fd, mode, errors=errors, closefd=False))  # noqa: SIM115
 
 
 def _silence_stdout() -> None:

@@ -167,6 +167,41 @@ def test_a_closed_pipe_exits_quietly_with_0(root: Path, engine_id: str, argv: tu
         child.unlink()
 
 
+CLOSED_FD_CASES = [
+    (("scan",), 1, 1),
+    (("scan", "--json"), 1, 1),
+    (("reap", "--yes"), 1, 0),
+    (("reap",), 0, 2),  # a closed stdin is no terminal to confirm on: the usual refusal
+]
+
+
+@pytest.mark.parametrize(("argv", "closed", "status"), CLOSED_FD_CASES, ids=str)
+def test_a_closed_standard_fd_is_dev_null_not_a_traceback(
+    root: Path, engine_id: str, argv: tuple[str, ...], closed: int, status: int
+) -> None:
+    """``shmctl scan >&-``, ``reap <&-``: the command's own exit status, at most its one-line
+    error, and nothing it opens (a region file) ever lands on the closed fd."""
+    leave_orphan(root, engine_id)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmctl", *argv, "--root", str(root), "--grace", "0s"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        preexec_fn=lambda: os.close(closed),
+        timeout=60,
+        check=False,
+    )
+    err = proc.stderr.decode()
+    assert "Traceback" not in err
+    assert proc.returncode == status, err
+    assert err.count("\n") == (1 if status == 2 else 0)
+    # reap --yes removed the orphan through a park directory: nothing else is left behind.
+    assert sorted(os.listdir(root)) == (
+        [] if argv == ("reap", "--yes") else [region_path(root, engine_id).name]
+    )
+
+
 def test_version_names_the_installed_distribution() -> None:
     done = shmctl("--version")
     assert (done.returncode, done.stdout, done.stderr) == (0, f"shmctl {version('shmctl')}\n", "")
