@@ -107,3 +107,15 @@ def victim() -> Iterator[Path]:
 
     with shm_dir() as elsewhere:
         yield write_file(elsewhere / "victim")
+
+
+@pytest.fixture
+def empty_proc(tmp_path: Path) -> Path:
+    """A /proc that lists no process and says it is the initial PID namespace's: with it, only
+    the write lease stands between an opener and a reap, and an iteration is a millisecond."""
+    from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
+
+    proc = tmp_path / "proc"
+    (proc / "self" / "ns").mkdir(parents=True)
+    (proc / "self" / "ns" / "pid").symlink_to(INITIAL_PID_NAMESPACE)
+    return proc

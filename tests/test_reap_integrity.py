@@ -32,7 +32,6 @@ from typing import Any
 
 import pytest
 
-from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
 from kvoffload.liveness.park import PARK_PREFIX
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import scan
@@ -315,11 +314,8 @@ for line in sys.stdin:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["recreate", "symlink"])
 def test_a_thousand_free_running_races_with_a_re_creating_engine_never_take_its_file(
-    root: Path, engine_id: str, tmp_path: Path, kind: str
+    root: Path, engine_id: str, empty_proc: Path, kind: str
 ) -> None:
-    proc_root = tmp_path / "proc"  # no process listed: only the lease stands in the way
-    (proc_root / "self" / "ns").mkdir(parents=True)
-    (proc_root / "self" / "ns" / "pid").symlink_to(INITIAL_PID_NAMESPACE)
     racer = subprocess.Popen(
         [sys.executable, "-c", RACER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -335,7 +331,7 @@ def test_a_thousand_free_running_races_with_a_re_creating_engine_never_take_its_
             write_file(path, 4096, touch=2)
             racer.stdin.write(f"{kind} {rng.randrange(0, 3_000_000)} {path}\n")
             racer.stdin.flush()
-            report = reap(root, grace_s=0, proc_root=proc_root)
+            report = reap(root, grace_s=0, proc_root=empty_proc)
             made = int(racer.stdout.readline())
             st = os.lstat(path)
             assert st.st_ino == made, f"the racer's {kind} lost its name: {report}"
@@ -507,15 +503,21 @@ def test_a_running_reapers_park_directory_is_left_to_it(root: Path, engine_id: s
 def test_a_park_directory_name_that_is_a_symlink_or_file_is_never_followed(
     root: Path, engine_id: str, victim: Path
 ) -> None:
+    # Behind the link, a dead region file: followed as a park, it would be removed or moved
+    # into the root ("given back"); as a file, a park name is nothing to settle.
+    elsewhere = write_file(victim.parent / region_path(root, engine_id).name, 4096, touch=2)
     (root / f"{PARK_PREFIX}1-1-0123456789abcdef").symlink_to(victim.parent)
     write_file(root / f"{PARK_PREFIX}2-2-0123456789abcdef", 4096, touch=2)
+    assert scan(root, grace_s=0).parks == ()
     report = reap(root, grace_s=0)
     assert report.removed == ()
     assert report.restored == ()
-    assert victim.exists()
+    assert elsewhere.exists()
+    assert not (root / elsewhere.name).exists()
     assert (root / f"{PARK_PREFIX}1-1-0123456789abcdef").is_symlink()
     for name in parks(root):
         os.unlink(root / name)
+    elsewhere.unlink()
 
 
 # -- 5. fd limits set the batch ---------------------------------------------------------------

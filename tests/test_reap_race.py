@@ -32,7 +32,6 @@ from typing import Any
 
 import pytest
 
-from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
 from tests.procs import REPO
 
 pytestmark = pytest.mark.slow
@@ -239,15 +238,6 @@ def leases_of(pid: int) -> list[str]:
     """Lines of /proc/locks for leases ``pid`` holds (a lease shows as ``LEASE``)."""
     with open("/proc/locks") as f:
         return [line.rstrip() for line in f if "LEASE" in line.split() and str(pid) in line.split()]
-
-
-@pytest.fixture
-def empty_proc(tmp_path: Path) -> Path:
-    """A /proc that lists no process and says it is the initial PID namespace's."""
-    proc = tmp_path / "proc"
-    (proc / "self" / "ns").mkdir(parents=True)
-    (proc / "self" / "ns" / "pid").symlink_to(INITIAL_PID_NAMESPACE)
-    return proc
 
 
 class Reaper:

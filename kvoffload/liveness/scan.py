@@ -420,7 +420,7 @@ def scan(
         lease_enabled=lease_off is None,
         huge_pages=mounts.check_huge_pages(root),
         parks=parks,
-        lease_break_time_s=_lease_break_time(proc_root),
+        lease_break_time_s=lease.break_time_s(proc_root),
     )
 
 
@@ -623,8 +623,7 @@ def _chunks(region_names: list[str], size: int) -> Iterator[list[tuple[str, name
     """``region_names`` (sorted by ``_list_names``) in runs of about ``size``, never splitting a region."""
     chunk: list[tuple[str, names.RegionName]] = []
     for name in region_names:
-        region = names.parse(name)
-        assert region is not None  # listed because it parses
+        region = _parsed(name)
         if len(chunk) >= size and region.engine_id != chunk[-1][1].engine_id:
             yield chunk
             chunk = []
@@ -648,37 +647,16 @@ def _stat_names(root: Path, dir_fd: int, chunk: list[tuple[str, names.RegionName
     return listed
 
 
-def _lease_break_time(proc_root: Path) -> float | None:
-    try:
-        return float((proc_root / "sys/fs/lease-break-time").read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def _list_regions(root: Path, dir_fd: int) -> tuple[list[_Listed], list[str]]:
     """The region-pattern entries of the root (lstat'ed), and the names of park directories."""
-    try:
-        entry_names = os.listdir(dir_fd)
-    except OSError as e:
-        raise RootError(root, f"cannot list: {e.strerror}", fix="run as root or the regions' owner") from None
-    listed = []
-    park_names = []
-    for name in sorted(entry_names):
-        region = names.parse(name)
-        if region is None:
-            if park.is_park_name(name):
-                park_names.append(name)
-            continue
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            continue  # removed since the listing
-        except PermissionError:
-            raise RootError(
-                root, "permission denied on its entries", fix="the directory needs search (x) permission"
-            ) from None
-        listed.append(_Listed(name, region, st))
-    return listed, park_names
+    region_names, park_names = _list_names(root, dir_fd)
+    return _stat_names(root, dir_fd, [(name, _parsed(name)) for name in region_names]), park_names
+
+
+def _parsed(name: str) -> names.RegionName:
+    region = names.parse(name)
+    assert region is not None  # listed because it parses
+    return region
 
 
 _KINDS = {
