@@ -994,25 +994,16 @@ def _judge_parked(
     when: float,
     all_users: bool,
 ) -> list[ScanEntry]:
-    listed = []
-    for name in found.files or ():
-        region = names.parse(name)
-        if region is None:
-            continue
-        try:
-            st = os.stat(name, dir_fd=park_fd, follow_symlinks=False)
-        except OSError:
-            continue
-        listed.append(_Listed(name, region, st))
+    parsed = ((name, names.parse(name)) for name in found.files or ())
+    listed = _stat_names(root, park_fd, [(name, region) for name, region in parsed if region is not None])
     groups = _Sorted.of(listed, None if all_users else {euid})
+    by_name = {m.name: m for m in listed}
     reaper = found.reaper
     running = found.running is not False  # unreadable lock state: as if it ran (hands off)
     folder = _child_path(root, found.name)
     entries = []
     for group in groups.groups.values():
-        members = group.members + [
-            m for m in listed if m.name in groups.skipped and m.region.engine_id == group.engine_id
-        ]
+        members = group.members + [by_name[name] for name, _ in group.skipped]
         probes = (
             {} if running or group.skipped else {m.name: _probe(park_fd, m, lease_off, euid) for m in members}
         )

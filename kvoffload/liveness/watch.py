@@ -475,12 +475,9 @@ def _filesystem_type(fd: int, mount_id: int | None, mountinfo: Path = mounts.MOU
     """What ``fd``'s filesystem is, for a person: its type in the mount table, else its magic number."""
     if mount_id is not None:
         with contextlib.suppress(OSError):
-            for line in mountinfo.read_bytes().splitlines():
-                fields = line.split()
-                if fields and fields[0] == str(mount_id).encode() and b"-" in fields:
-                    at = fields.index(b"-") + 1
-                    if at < len(fields):
-                        return fields[at].decode(errors="backslashreplace")
+            for mount in mounts.parse_mountinfo(mountinfo.read_bytes()):
+                if mount.mount_id == mount_id:
+                    return mount.fs_type
     magic = mounts.filesystem_magic(fd)
     return "an unknown filesystem" if magic is None else f"filesystem magic {magic:#x}"
 

@@ -25,6 +25,7 @@ with the real one as default, so tests can point it at files of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -62,6 +63,8 @@ class MountInfo:
     size_bytes: int | None
     #: /sys/kernel/mm/transparent_hugepage/shmem_enabled when read; None where the kernel has none.
     shmem_enabled: str | None = None
+    #: The mount's id (mountinfo's first field, statx's ``stx_mnt_id``); None from /proc/mounts.
+    mount_id: int | None = None
 
     @property
     def is_tmpfs(self) -> bool:
@@ -132,7 +135,8 @@ def parse_mountinfo(text: bytes) -> list[MountInfo]:
             continue
         if len(fields) < dash + 4:
             continue
-        found.append(_mount(fields[4], fields[dash + 1], fields[dash + 2], fields[dash + 3]))
+        mount = _mount(fields[4], fields[dash + 1], fields[dash + 2], fields[dash + 3])
+        found.append(dataclasses.replace(mount, mount_id=int(fields[0])) if fields[0].isdigit() else mount)
     return found
 
 
