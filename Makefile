@@ -45,7 +45,7 @@ demo: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
 # Every bench script side by side, one table of ratios (bench/run.py): the table as Markdown
-# for the README in build/bench/results.md, the same with the machine in results.json.
+# for docs/benchmarks.md in build/bench/results.md, the same with the machine in results.json.
 # `make bench QUICK=1` (or bench-quick): smaller sizes, fewer repetitions.
 bench: venv
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python bench/run.py $(if $(QUICK),--quick) \

@@ -5,7 +5,7 @@ then any other ``bench/bench_*.py``) one after the other as its own process with
 (and ``--quick``), merges the rows it wrote (see ``figures.py`` for how to read one) and prints
 one table: figure, median, min-max, baseline, ratio, goal and whether it is met. The same goes
 to ``--json`` (with the date, the machine and each script's outcome) and to ``--markdown``,
-for the README.
+for docs/benchmarks.md.
 
 A script that fails (exits non-zero, or writes no rows) is a FAILED line in the table; the
 others still run and the exit status is 1. An unmet goal is a figure, not a failure: timings on

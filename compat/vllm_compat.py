@@ -14,7 +14,7 @@
    kvoffload under vLLM's module names in the test process and in every child it spawns.
 4. Prints one table: per file, the tests, how many pass on vLLM and on kvoffload, and how many
    of kvoffload's failures are the deliberate differences listed in ``compat/differences.toml``
-   (each one is explained in README).
+   (each one is explained in docs/vllm-compat.md).
 
 Exit status: 0 when every test that passes on vLLM passes on kvoffload or is a listed
 difference; 1 when one does not (it is named, with its first error line), or a listed
