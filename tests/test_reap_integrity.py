@@ -35,7 +35,7 @@ import pytest
 from kvoffload.liveness.park import PARK_PREFIX
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import scan
-from tests.procs import REPO, region_path, write_file
+from tests.procs import REPO, region_path, uninspectable_pids, write_file
 from tests.schemas import validate
 
 _SYSCALLS = {
@@ -708,3 +708,16 @@ def test_sigstop_of_a_real_reap_at_random_moments_never_stalls_an_opener_nor_los
         for name in left:
             os.unlink(root / name)
     assert caught > 0, "no stop ever caught a lease held: the test tested nothing"
+
+
+def test_without_a_lease_a_dead_parked_file_is_given_back_not_removed(root: Path, engine_id: str) -> None:
+    """Removing a parked file needs its lease now; without one it goes back to its name, where an
+    ordinary reap judges it on the evidence it has (here a fresh /proc pass)."""
+    folder = _dead_reapers_park(root)
+    parked = write_file(folder / region_path(root, engine_id).name, 4096, touch=2)
+    report = reap(root, grace_s=0, use_lease=False, assume_not_holding=uninspectable_pids())
+    assert [e.name for e in report.restored] == [parked.name]
+    assert report.removed == ()
+    assert (root / parked.name).exists()
+    assert not folder.exists()
+    (root / parked.name).unlink()
