@@ -8,6 +8,9 @@ torch, no numpy, and command modules import their heavy parts inside the command
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import signal
 import sys
 from typing import Annotated, Any
@@ -16,6 +19,7 @@ import typer
 import typer.core
 
 from kvoffload.errors import ConfigError, KvOffloadError
+from shmctl import helptext
 from shmctl.commands import register_all
 from shmctl.exit import ExitStatus
 from shmctl.render import error_line
@@ -30,12 +34,45 @@ class Interrupted(BaseException):
 
     def __init__(self, signal_name: str = "SIGINT", detail: str = "") -> None:
         self.signal_name = signal_name
-        self.message = f"interrupted by {signal_name}: {detail}" if detail else "interrupted"
+        by = "" if signal_name == "SIGINT" and not detail else f" by {signal_name}"
+        self.message = f"interrupted{by}: {detail}" if detail else f"interrupted{by}"
         super().__init__(self.message)
 
     @property
     def exit_status(self) -> int:
         return 128 + signal.Signals[self.signal_name].value
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, delivered as Ctrl-C is: every path that tears down on Ctrl-C (an
+    ``init --hold`` engine, a bring-up, an audit's child) tears down on a service stop or a
+    closed terminal too, and the exit status says which signal it was (143, 129).
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(self.signal_name)
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def _handle_termination_signals() -> None:
+    """SIGTERM and SIGHUP raise ``Terminated`` where they would have killed us silently.
+
+    A disposition the caller chose is kept: ``nohup`` ignores SIGHUP, and so do we.
+    """
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                signal.signal(signum, _raise_terminated)
+        except (ValueError, OSError):  # not the main thread (a test's runner)
+            return
+
+
+def _signal_name(error: BaseException) -> str:
+    return getattr(error, "signal_name", "SIGINT")
 
 
 class _ClosedPipe(BaseException):
@@ -46,15 +83,35 @@ class _Group(typer.core.TyperGroup):
     # Typer turns a KeyboardInterrupt raised inside a command into a silent `Exit(130)`, which
     # standalone_mode=False hands back as a bare 130: Ctrl-C would print nothing. Carried out
     # as Interrupted, it reaches main() and its one line.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # `--color` is the root's and every command's (`shmctl scan --color=never`, as ls and
+        # grep take it): one option object, not a parameter in each command's signature.
+        for command in self.commands.values():
+            command.params.append(_color_option())
+
     def invoke(self, ctx: Any) -> Any:  # a click Context (typer vendors click in recent versions)
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt:
-            raise Interrupted() from None
+        except KeyboardInterrupt as e:
+            raise Interrupted(_signal_name(e)) from None
         except BrokenPipeError:
             if _stdout_reader_gone():
                 raise _ClosedPipe() from None
             raise  # a pipe of the library's own (a participant's, a command's): a real error
+
+
+def _color_option() -> Any:
+    return typer.core.TyperOption(
+        param_decls=["--color"],
+        metavar="auto|always|never",
+        default="auto",
+        show_default=False,
+        expose_value=False,
+        callback=lambda ctx, param, value: _set_color(value),
+        autocompletion=lambda ctx, args, incomplete: _complete_color(incomplete),
+        help="Colour on a terminal (auto), always or never.",
+    )
 
 
 app = typer.Typer(
@@ -64,7 +121,26 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=helptext.epilog(helptext.ROOT_EXAMPLES),
 )
+
+
+COLOR_MODES = ("auto", "always", "never")
+
+
+def _complete_color(incomplete: str) -> list[str]:
+    return [mode for mode in COLOR_MODES if mode.startswith(incomplete)]
+
+
+def _set_color(value: str | None) -> str | None:
+    if value is None:
+        return value
+    if value not in COLOR_MODES:
+        raise typer.BadParameter(f"{value!r} is not one of auto, always, never", param_hint="'--color'")
+    from shmctl import render
+
+    render.set_color_mode(value)
+    return value
 
 
 def _print_version(value: bool) -> None:
@@ -80,9 +156,24 @@ def _root(
     _version: Annotated[
         bool,
         typer.Option(
-            "--version", is_eager=True, callback=_print_version, help="Print shmctl's version and exit."
+            "--version",
+            "-V",
+            is_eager=True,
+            callback=_print_version,
+            help="Print shmctl's version and exit.",
         ),
     ] = False,
+    _color: Annotated[
+        str,
+        typer.Option(
+            "--color",
+            metavar="auto|always|never",
+            callback=_set_color,
+            autocompletion=_complete_color,
+            help="Colour on a terminal (auto), always or never; NO_COLOR=1 means never. "
+            "Every command takes it too.",
+        ),
+    ] = "auto",
 ) -> None:
     """Find, explain and safely reap vLLM KV-offload regions in /dev/shm."""
 
@@ -99,9 +190,28 @@ def exit_status_for(error: BaseException) -> ExitStatus:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point: run the app, map errors to exit codes, never a traceback."""
-    args = sys.argv[1:] if argv is None else argv
+    """Console-script entry point: run the app, map errors to exit codes, never a traceback.
+
+    Whatever the standard fds are (closed, read-only, a full disk, a pipe whose reader left),
+    the result is the command's exit status and at most one line on stderr.
+    """
     _reopen_closed_std_streams()
+    _guard_std_streams()
+    _handle_termination_signals()
+    code = _run(sys.argv[1:] if argv is None else argv)
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader left while the last bytes were buffered
+        _silence_stdout()
+        code = ExitStatus.OK if code in (ExitStatus.OK, ExitStatus.FINDINGS) else code
+    except OSError as e:  # the last bytes met a full disk: the data is incomplete
+        _silence_stdout()
+        error_line(_stream_error(e))
+        code = ExitStatus.RUNTIME
+    return code
+
+
+def _run(args: list[str]) -> int:
     if not args:
         args = ["--help"]  # a bare `shmctl` is a request for help, not a usage error
     try:
@@ -110,14 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(code, int):
             return code
     except SystemExit as e:  # typer.Exit, --help, completion
+        if _click_met_a_closed_pipe():
+            return ExitStatus.OK  # `shmctl --help | head -1`, as for a command's output
         code = e.code
         return code if isinstance(code, int) else (0 if code is None else ExitStatus.USAGE)
     except Interrupted as e:
         error_line(e.message)
         return e.exit_status
-    except KeyboardInterrupt:  # outside any command (typer has not taken over yet)
-        error_line("interrupted")
-        return ExitStatus.INTERRUPTED
+    except KeyboardInterrupt as e:  # outside any command (typer has not taken over yet)
+        interrupted = Interrupted(_signal_name(e))
+        error_line(interrupted.message)
+        return interrupted.exit_status
     except KvOffloadError as e:
         error_line(str(e))
         return exit_status_for(e)
@@ -127,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return ExitStatus.OK
     except OSError as e:
-        where = f"{e.filename}: " if e.filename else ""
-        error_line(f"{where}{e.strerror or e}")
+        error_line(_stream_error(e))
         return ExitStatus.RUNTIME
     except Exception as e:  # click usage errors and anything unexpected
         return _click_or_crash(e)
@@ -138,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
 def _click_or_crash(error: Exception) -> int:
     # typer vendors click; its public base is TyperException (usage errors carry exit_code 2).
     if isinstance(error, typer.Abort):
+        # click's prompt turns Ctrl-C (and so SIGTERM, SIGHUP) into Abort: say which it was.
+        signalled = error.__cause__ or error.__context__
+        if isinstance(signalled, KeyboardInterrupt):
+            interrupted = Interrupted(_signal_name(signalled))
+            error_line(interrupted.message)
+            return interrupted.exit_status
         error_line("aborted")
         return ExitStatus.INTERRUPTED
     if isinstance(error, typer.TyperException):
@@ -151,6 +269,19 @@ def _click_or_crash(error: Exception) -> int:
         error_line(message)
         return ExitStatus.USAGE if usage else ExitStatus.RUNTIME
     raise error
+
+
+def _click_met_a_closed_pipe() -> bool:
+    """Click writes ``--help`` and ``--version`` outside any command, meets EPIPE there, wraps
+    the standard streams to silence their last flush and exits 1, which reads as "findings".
+    Seen here, it is the quiet 0 of any other closed pipe."""
+    wrapped = getattr(sys.stdout, "wrapped", None)
+    if type(sys.stdout).__name__ != "PacifyFlushWrapper" or wrapped is None:
+        return False
+    sys.stdout = wrapped
+    sys.stderr = getattr(sys.stderr, "wrapped", sys.stderr)
+    _silence_stdout()
+    return True
 
 
 def _stdout_reader_gone() -> bool:
@@ -190,6 +321,112 @@ def _reopen_closed_std_streams() -> None:
         setattr(sys, name, open(fd, mode, errors=errors, closefd=False))  # noqa: SIM115
 
 
+#: The fix for an error of writing our own stdout, by errno (the data is what failed to arrive).
+_STDOUT_FIXES = {
+    errno.ENOSPC: "free space where stdout is redirected, or redirect it elsewhere",
+    errno.EDQUOT: "raise the quota where stdout is redirected, or redirect it elsewhere",
+    errno.EFBIG: "stdout's file hit its size limit (ulimit -f); redirect it elsewhere",
+    errno.EBADF: "stdout is not open for writing; redirect it to a file or /dev/null",
+    errno.EINVAL: "stdout cannot be written to; redirect it to a file or /dev/null",
+    errno.EIO: "the terminal or device behind stdout failed; redirect it to a file",
+}
+
+
+def _stream_error(error: OSError) -> str:
+    """One line for an OSError, with a fix when it was our stdout that failed."""
+    where = f"{error.filename}: " if error.filename else ""
+    message = f"{where}{error.strerror or error}"
+    if error.filename == _STDOUT:
+        fix = _STDOUT_FIXES.get(error.errno or 0, "redirect stdout to a file or /dev/null")
+        message += f" (fix: {fix})"
+    return message
+
+
+_STDOUT = "stdout"
+
+
+class _NamedStdout(io.FileIO):
+    """fd 1 whose write errors name it: ``stdout: No space left on device (fix: ...)`` rather
+    than an errno with no file, which reads as if the shm root were full."""
+
+    def write(self, data: Any) -> int:
+        try:
+            return super().write(data)
+        except OSError as e:
+            raise type(e)(e.errno, e.strerror, _STDOUT) from None
+
+
+class _BestEffortStderr(io.TextIOBase):
+    """stderr that cannot fail the command: a diagnostic that cannot be written (a read-only
+    fd, a full disk, a reader that left) is dropped, and the exit status stays the command's.
+    There is nowhere left to report it."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()
+
+    def fileno(self) -> int:
+        return int(self._stream.fileno())
+
+    def isatty(self) -> bool:
+        try:
+            return bool(self._stream.isatty())
+        except (OSError, ValueError):
+            return False
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(self._stream.encoding)
+
+    @property
+    def errors(self) -> str | None:  # type: ignore[override]
+        return getattr(self._stream, "errors", None)
+
+
+def _guard_std_streams() -> None:
+    """Name stdout in its write errors and make stderr best-effort (see the two classes).
+
+    Only the interpreter's own streams on fds 1 and 2 are replaced (a test's capture, or a
+    caller's StringIO, is left alone); encoding, error handler and line buffering are kept.
+    """
+    out = sys.stdout
+    binary = getattr(out, "buffer", None)
+    # PYTHONUNBUFFERED (or -u) gives the text layer a bare FileIO; otherwise it is buffered.
+    raw = binary if isinstance(binary, io.FileIO) else getattr(binary, "raw", None)
+    if type(out) is io.TextIOWrapper and type(raw) is io.FileIO and _fileno(raw) == 1:
+        out.flush()
+        named = _NamedStdout(1, "w", closefd=False)
+        sys.stdout = io.TextIOWrapper(
+            named if binary is raw else io.BufferedWriter(named),
+            encoding=out.encoding,
+            errors=out.errors,
+            line_buffering=out.line_buffering,
+            write_through=binary is raw,
+        )
+    err = sys.stderr
+    if type(err) is io.TextIOWrapper and _fileno(err) == 2:
+        sys.stderr = _BestEffortStderr(err)
+
+
+def _fileno(stream: Any) -> int | None:
+    try:
+        return int(stream.fileno())
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return None
+
+
 def _silence_stdout() -> None:
     """Point fd 1 at /dev/null so the interpreter's last flush cannot fail on the closed pipe."""
     import os
@@ -200,13 +437,7 @@ def _silence_stdout() -> None:
 
 
 def run() -> None:
-    code = main()
-    try:
-        sys.stdout.flush()
-    except BrokenPipeError:  # the reader left while the last bytes were buffered
-        _silence_stdout()
-        code = ExitStatus.OK if code in (ExitStatus.OK, ExitStatus.FINDINGS) else code
-    sys.exit(code)
+    sys.exit(main())
 
 
 if __name__ == "__main__":

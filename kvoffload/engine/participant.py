@@ -58,7 +58,12 @@ class _StageFailed(Exception):
 
 def main(conn: Connection, args: ParticipantArgs, barrier: Any | None) -> None:
     """Process entry point (importable, so the forkserver and spawn start methods work)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C reaches the whole foreground process group, and a service stop (SIGTERM) or a closed
+    # terminal (SIGHUP) the whole cgroup or session: the parent hears it and asks each
+    # participant to shut down in vLLM's order. One killed by the signal itself would leave
+    # its share of the region unreleased and read as a crash.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     faults.configure(args.failpoints, seed=args.seed)
     child = _Participant(conn, args, barrier)
     _forward_logs(child)

@@ -1,7 +1,7 @@
 """``shmctl watch``: one agent per node that scans every shm root each interval and reaps the dead.
 
 Events go to stdout as JSON lines (nothing else does); ``--listen`` serves ``/metrics`` and
-``/healthz``. SIGTERM and SIGINT finish the file at hand and exit 0. Which directories are
+``/healthz``. SIGTERM, SIGINT and SIGHUP finish the file at hand and exit 0. Which directories are
 roots, and where ``--reap`` may remove, is in ``docs/watch-roots.md``. Exit status: 0 stopped
 (or ``--once``/``--max-passes`` done), 2 usage (a bad glob or one whose fixed part does not
 exist, ``--listen`` address or port in use, ``--reap`` with one pass: before anything is
@@ -143,7 +143,12 @@ def watch(
         interval_s=interval_s, top_engines=top_engines, top_roots=top_roots, reaping=reap
     )
     watcher = Watcher(config, on_event=render.EventWriter(), should_stop=stop.is_set)
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # A service stop, Ctrl-C and a closed terminal all end the agent after the current pass.
+    # SIGHUP that a caller chose to ignore (nohup) stays ignored.
+    stopping = [signal.SIGTERM, signal.SIGINT]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        stopping.append(signal.SIGHUP)
+    previous = {sig: signal.signal(sig, _stop) for sig in stopping}
     try:
         with render.serving(listen, metrics) if listen is not None else contextlib.nullcontext() as bound:
             if bound is not None:

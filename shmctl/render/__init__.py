@@ -139,8 +139,23 @@ def token(text: str) -> str:
     return printable(text).replace(" ", "\\x20")
 
 
+_color_mode = "auto"
+
+
+def set_color_mode(mode: str) -> None:
+    """``--color``: ``auto`` (the default), ``always`` or ``never``; set once, while options parse."""
+    global _color_mode
+    _color_mode = mode
+
+
 def color_enabled(stream: IO[str] | None = None) -> bool:
-    """Colour only for a terminal, and never under ``NO_COLOR`` (any value but empty) or ``TERM=dumb``."""
+    """Colour only for a terminal, and never under ``NO_COLOR`` (any value but empty) or ``TERM=dumb``.
+
+    ``--color=always`` and ``--color=never`` decide alone: a flag typed for this one command
+    outranks the environment (no-color.org), and ``always`` colours a pipe (``| less -R``).
+    """
+    if _color_mode != "auto":
+        return _color_mode == "always"
     target = sys.stdout if stream is None else stream
     if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
         return False
@@ -217,9 +232,12 @@ def console(*, stderr: bool = False) -> Console:
 
     stream = sys.stderr if stderr else sys.stdout
     terminal = bool(getattr(stream, "isatty", None) and stream.isatty()) and os.environ.get("TERM") != "dumb"
+    color = color_enabled(stream)
     return _Console(
         stderr=stderr,
-        no_color=not color_enabled(stream),
+        no_color=not color,
+        # `--color=always` in a pipe: colour, but still no cursor movement or live display.
+        color_system="standard" if color and not terminal else "auto",
         highlight=False,
         soft_wrap=True,
         force_terminal=None if terminal else False,

@@ -270,8 +270,11 @@ def announce_hold(live: LiveEngine) -> None:
         f"path: {live.path_lifetime}",
     ):
         err.print(printable(line, escape_backslash=False), markup=False, highlight=False)
+    # An unlinked path has no name left to list: only --deleted finds it (by its mappings).
+    deleted = "" if live.files else " --deleted"
     err.print(
-        f"`shmctl scan --root {live.root}` in another terminal shows it; Ctrl-C tears it down",
+        f"`shmctl scan{deleted} --root {live.root}` in another terminal shows it; "
+        "Ctrl-C (or SIGTERM, SIGHUP) tears it down",
         markup=False,
         highlight=False,
     )

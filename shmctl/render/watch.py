@@ -82,10 +82,12 @@ class EventWriter:
         line = json_text(event_document(event)) + "\n"
         try:
             write_utf8(line, stream)
-        except (OSError, ValueError, AttributeError):
-            # No reader, a closed stream, or none at all: metrics still tell the story; the
-            # loop must go on.
+        except (OSError, ValueError, AttributeError) as e:
+            # No reader, a closed stream, a full disk, or none at all: metrics still tell the
+            # story and the loop must go on, but the operator hears once why events stopped.
             self.broken = True
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+            warning_line(f"stdout: {why}: no more events are written there; /metrics goes on")
 
 
 class WatchMetrics:
