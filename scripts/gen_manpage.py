@@ -42,7 +42,8 @@ EXIT_MEANINGS = {
         "The root could not be read, an I/O or permission error, or an init failure that was not injected."
     ),
     ExitStatus.INTERRUPTED: (
-        "Interrupted by Ctrl-C; a command stopped by another signal exits 128 + its number."
+        "Interrupted by Ctrl-C. SIGTERM and SIGHUP are handled as Ctrl-C is (what Ctrl-C tears "
+        "down, they tear down) and exit 128 + their number: 143, 129."
     ),
 }
 
@@ -89,13 +90,16 @@ def help_records(command: Any, ctx: Any) -> list[tuple[str, str]]:
 
 
 def describe(command: Any, ctx: Any) -> list[str]:
-    """The help text, then one ``.TP`` per visible option or argument."""
+    """The help text, one ``.TP`` per visible option or argument, then the examples."""
     lines = []
     for i, block in enumerate(paragraphs(command.help or "")):
         if i:
             lines.append(".PP")
         lines.append(block)
-    return lines + describe_options(command, ctx)
+    lines += describe_options(command, ctx)
+    for block in paragraphs(command.epilog or ""):
+        lines += [".PP", block]
+    return lines
 
 
 def describe_options(command: Any, ctx: Any) -> list[str]:
@@ -150,6 +154,12 @@ def render() -> str:
         usage = " ".join(command.collect_usage_pieces(sub))
         lines += [f".SS {escape(f'shmctl {name} {usage}')}", *describe(command, sub)]
         all_records += help_records(command, sub)
+    if root.epilog:
+        lines.append(".SH EXAMPLES")
+        for i, block in enumerate(paragraphs(root.epilog.split("\n", 1)[1])):
+            lines += [".PP"] if i else []
+            lines.append(block)
+        lines += [".PP", "Each command's own examples close its section under \\fBCOMMANDS\\fR."]
     lines += [".SH EXIT STATUS", "The same for every command:"]
     for status in ExitStatus:
         lines += [".TP", f"\\fB{int(status)}\\fR", escape(EXIT_MEANINGS[status])]

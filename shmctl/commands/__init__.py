@@ -6,7 +6,16 @@ import typer
 
 
 def register_all(app: typer.Typer) -> None:
+    from shmctl import helptext
     from shmctl.commands import audit, faults_cmd, init, metrics, reap, scan, watch
 
     for module in (scan, reap, init, faults_cmd, audit, metrics, watch):
         module.register(app)
+    # Summaries and examples live in one table (shmctl.helptext), which --help, the man page and
+    # the tests read; the commands' docstrings keep the longer description.
+    for info in app.registered_commands:
+        name = info.name or ""
+        info.short_help = info.short_help or helptext.SUMMARIES.get(name)
+        examples = helptext.EXAMPLES.get(name)
+        if examples and info.epilog is None:
+            info.epilog = helptext.epilog(examples)
