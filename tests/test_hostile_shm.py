@@ -393,12 +393,13 @@ def test_another_users_live_file_is_kept_even_with_all_users(root: Path, engine_
         mine = reap(root, grace_s=0)
         everyone = reap(root, grace_s=0, all_users=True)
         e = entry(scan(root, grace_s=0, all_users=True), path.name)
-    assert (mine.removed, everyone.removed) == ((), ())
+    assert (mine.removed, mine.other_users_left, everyone.removed) == ((), (), ())
     assert e.status is Status.LIVE
     assert [h.pid for h in e.holders] == [holder.pid]
     assert e.reason.startswith(f"held by 1 process(es): {holder.pid}:")
-    skipped = entry(report_of(root), path.name)
-    assert skipped.reason == "owned by uid 65534, not you (root can judge it with --all-users)"
+    skipped = entry(scan(root, grace_s=0, all_users=False), path.name)
+    assert skipped.reason == "owned by uid 65534, not you (judging your own files only: --own-only)"
+    assert [x.name for x in reap(root, grace_s=0).other_users_left] == [path.name]
     assert [x.name for x in reap(root, grace_s=0, all_users=True).removed] == [path.name]
 
 
@@ -429,7 +430,7 @@ def test_a_non_root_reaper_proves_its_own_file_dead_by_lease_and_never_touches_r
     assert leased["removed"] == [own.name]
     assert leased["verdicts"][roots_file.name] == [
         "skipped",
-        "owned by uid 0, not you (root can judge it with --all-users)",
+        "owned by uid 0, not you (only root can judge another user's file)",
     ]
     assert roots_file.exists()
     assert not own.exists()

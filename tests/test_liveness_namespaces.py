@@ -413,6 +413,8 @@ def owned_by_another_user(segment: Path) -> None:
     give_to(HOLDER_UID, segment)
 
 
+#: Ways a segment is not ours to judge. Root judges another user's file by default: these
+#: scans judge their own files only (``all_users=False``, ``--own-only``), as any other user's do.
 SKIPPED_SEGMENT = {"a second hard link": link_elsewhere, "another user's file": owned_by_another_user}
 
 
@@ -427,13 +429,13 @@ def test_a_base_file_whose_mapped_segment_is_skipped_is_never_reaped(
     segment = write_file(region_path(root, engine_id, 1))
     SKIPPED_SEGMENT[why](segment)
     with Child("map-only", segment):  # a live engine maps the segment; nobody holds the base
-        assert entry(scan(root, grace_s=0), base.name).status is Status.SKIPPED
+        assert entry(scan(root, grace_s=0, all_users=False), base.name).status is Status.SKIPPED
         if client == "library":
-            report = reap(root, grace_s=0)
+            report = reap(root, grace_s=0, all_users=False)
             removed = [e.name for e in report.removed]
             kept = [e.name for e in report.kept]
         else:
-            done = cli_reap(root)
+            done = cli_reap(root, "--own-only")
             assert done.returncode == 0, done.stderr
             removed = removed_names(json.loads(done.stdout))
             kept = [e["name"] for e in json.loads(done.stdout)["kept"]]
@@ -451,6 +453,6 @@ def test_a_base_file_whose_segment_is_skipped_says_which_file_keeps_it(
     base = write_file(region_path(root, engine_id))
     segment = write_file(region_path(root, engine_id, 1))
     SKIPPED_SEGMENT[why](segment)
-    e = entry(scan(root, grace_s=0), base.name)
+    e = entry(scan(root, grace_s=0, all_users=False), base.name)
     assert (e.status, e.decided_by) == (Status.SKIPPED, Evidence.FILE)
     assert e.reason.startswith(f"another file of this region is skipped ({segment.name}: ")

@@ -31,7 +31,7 @@ def reap_now(
     *,
     filters: ReapFilter = EVERYTHING,
     dry_run: bool = False,
-    all_users: bool = False,
+    all_users: bool | None = None,
     now: float | None = None,
     only: ReapReport | None = None,
 ) -> ReapReport:
@@ -171,7 +171,9 @@ def test_another_users_file_is_reaped_only_with_all_users(root: Path, engine_id:
         pytest.skip("needs root to chown a file to uid 65534")
     path = write_file(region_path(root, engine_id))
     os.chown(path, 65534, 65534)
-    assert reap_now(root).removed == ()
+    left = reap_now(root)
+    assert left.removed == ()
+    assert [(e.name, e.status, e.uid) for e in left.other_users_left] == [(path.name, Status.ORPHANED, 65534)]
     assert path.exists()
     assert names(reap_now(root, all_users=True).removed) == [path.name]
 

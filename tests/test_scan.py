@@ -30,7 +30,7 @@ from tests.procs import (
 )
 
 
-def judge(root: Path, *, all_users: bool = False) -> ScanReport:
+def judge(root: Path, *, all_users: bool | None = None) -> ScanReport:
     return scan(root, grace_s=0, all_users=all_users)
 
 
@@ -204,15 +204,19 @@ def test_non_regular_files_are_skipped(
 
 
 @pytest.mark.root
-def test_another_users_file_is_skipped_unless_all_users(root: Path, engine_id: str) -> None:
+def test_root_judges_another_users_file_by_default_and_skips_it_only_when_asked(
+    root: Path, engine_id: str
+) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to chown a file to uid 65534")
     path = write_file(region_path(root, engine_id))
     os.chown(path, 65534, 65534)
-    e = entry(judge(root), path.name)
-    assert e.status is Status.SKIPPED
-    assert e.reason == "owned by uid 65534, not you (root can judge it with --all-users)"
+    judged = entry(judge(root), path.name)
+    assert (judged.status, judged.uid, judged.decided_by) == (Status.ORPHANED, 65534, Evidence.LEASE)
     assert entry(judge(root, all_users=True), path.name).status is Status.ORPHANED
+    own_only = entry(judge(root, all_users=False), path.name)
+    assert own_only.status is Status.SKIPPED
+    assert own_only.reason == "owned by uid 65534, not you (judging your own files only: --own-only)"
 
 
 def test_a_skipped_base_makes_its_segments_skipped(root: Path, engine_id: str, victim: Path) -> None:

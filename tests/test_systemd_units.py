@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import yaml  # type: ignore[import-untyped]
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import REPO, Child, leave_orphan, region_path, write_file
 
@@ -36,7 +37,10 @@ UNITS = REPO / "deploy" / "systemd"
 SERVICES = sorted(UNITS.glob("*.service"))
 #: The node agent, a long-running service; the others are the oneshots the timers start.
 WATCH = UNITS / "shmctl-watch.service"
+METRICS = UNITS / "shmctl-metrics.service"
 ONESHOTS = [unit for unit in SERVICES if unit != WATCH]
+#: The services that remove files: only they need --all-users (to remove other users' orphans).
+REMOVERS = [UNITS / "shmctl-reap.service", WATCH]
 DAEMONSET = REPO / "deploy" / "kubernetes" / "daemonset.yaml"
 INSTALL_UNITS = REPO / "scripts" / "install-units.sh"
 SHMCTL = Path(sys.executable).parent / "shmctl"
@@ -116,9 +120,17 @@ def test_execstart_names_shmctl_for_systemd_to_resolve_not_a_hard_coded_path(uni
 
 
 @pytest.mark.parametrize("unit", SERVICES, ids=lambda p: p.name)
-def test_a_service_run_as_root_judges_every_users_files(unit: Path) -> None:
+def test_every_service_runs_as_root_which_judges_every_users_files(unit: Path) -> None:
     assert directives(unit, "User") in ([], ["root"])
+
+
+@pytest.mark.parametrize("unit", REMOVERS, ids=lambda p: p.name)
+def test_a_service_that_removes_passes_all_users_to_remove_other_users_orphans(unit: Path) -> None:
     assert "--all-users" in exec_start(unit)
+
+
+def test_the_metrics_service_passes_no_all_users_as_root_counts_every_users_files() -> None:
+    assert "--all-users" not in exec_start(METRICS)
 
 
 @pytest.mark.parametrize("unit", SERVICES, ids=lambda p: p.name)
@@ -306,14 +318,41 @@ def test_the_reapers_json_is_one_line_so_journald_records_one_event(root: Path, 
     assert not dead.exists()
 
 
+def test_the_metrics_textfile_is_the_directory_debians_node_exporter_reads() -> None:
+    # prometheus-node-exporter (Debian, Ubuntu): --collector.textfile.directory's default.
+    argv = exec_start(METRICS)
+    assert argv[argv.index("--textfile") + 1] == "/var/lib/prometheus/node-exporter"
+
+
 def test_the_metrics_textfile_stays_readable_by_node_exporter(root: Path, tmp_path: Path) -> None:
-    unit = UNITS / "shmctl-metrics.service"
+    unit = METRICS
     argv = exec_start(unit)
     textfile = argv[argv.index("--textfile") + 1]
     assert f"-{textfile}" in directives(unit, "ReadWritePaths")
     done = run_exec_start(unit, root, "--textfile", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "shmctl.prom").stat().st_mode & 0o004
+
+
+def test_the_metrics_unit_counts_another_users_orphan_and_live_region_without_all_users(
+    root: Path, engine_id: str, tmp_path: Path
+) -> None:
+    require_root("setpriv")
+    with another_users_files(root, engine_id) as (_, orphan, _):
+        # A later --grace wins over the default 30s, so the orphan just made is orphaned.
+        done = run_exec_start(METRICS, root, "--textfile", str(tmp_path), "--grace", "0s")
+        resident = orphan.stat().st_blocks * 512
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "shmctl.prom").read_text()
+    values = {
+        (sample.name, sample.labels.get("status")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert values[("shmctl_orphan_bytes", None)] == resident
+    assert values[("shmctl_regions", "orphaned")] == 1
+    assert values[("shmctl_regions", "live")] == 1
+    assert values[("shmctl_regions", "skipped")] == 0
 
 
 # ------------------------------------------------------------------ the watch agent

@@ -695,7 +695,7 @@ class SharedOffloadRegion:
             return RegionError(
                 self.path,
                 "exists and belongs to someone else (permission denied)",
-                fix="`shmctl scan --all-users` shows whose it is; pick another engine_id or remove it",
+                fix="`sudo shmctl scan --json` shows whose it is (uid); pick another engine_id or remove it",
             )
         return RegionError(self.path, f"cannot be joined: {error.strerror}")
 

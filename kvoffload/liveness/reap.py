@@ -1,7 +1,9 @@
 """Remove orphaned region files, and nothing else, even if the directory changes under us.
 
 Only entries a fresh scan calls ``orphaned`` are candidates, narrowed by the operator's
-filters (engine, dead owner pid, age). A scan is a snapshot, so before each region is
+filters (engine, dead owner pid, age) and to the caller's own files: root judges every user's
+files, but removes another user's only with ``all_users=True`` (``--all-users``); without it
+their orphans stay, listed (``other_users_left``). A scan is a snapshot, so before each region is
 removed it is proven again (anchors D5), with every file of the group:
 
 1. opened through the root's directory fd, ``O_RDONLY|O_NOFOLLOW|O_NONBLOCK`` (a link
@@ -222,6 +224,9 @@ class ReapReport:
     #: given back: both files kept, nothing removed (also in ``kept``, status ``parked``).
     conflicts: tuple[ScanEntry, ...] = ()
     lease_break_time_s: float | None = None
+    #: Orphaned files of other users this reap judged and left: it removes another user's file
+    #: only with ``all_users=True`` (``--all-users``). Whole regions, as the scan judged them.
+    other_users_left: tuple[ScanEntry, ...] = ()
 
     @property
     def unknown_resident_bytes(self) -> int:
@@ -245,7 +250,7 @@ def reap(
     grace_s: float = DEFAULT_GRACE_S,
     filters: ReapFilter = ReapFilter(),
     dry_run: bool = False,
-    all_users: bool = False,
+    all_users: bool | None = None,
     assume_not_holding: Collection[int] = (),
     use_lease: bool = True,
     proc_root: Path = procfs.PROC_ROOT,
@@ -256,6 +261,10 @@ def reap(
     any_filesystem: bool = False,
 ) -> ReapReport:
     """Scan ``root`` and remove the orphaned regions ``filters`` select.
+
+    ``all_users`` is ``scan``'s: whose files are judged (None, the default: every user's as
+    root, the caller's own otherwise). Only True removes another user's files; otherwise the
+    orphaned regions with a file of another uid are left and listed (``other_users_left``).
 
     ``only`` is an earlier dry-run report (what the operator confirmed): nothing outside it
     is removed, and anything in it that is no longer orphaned, or is another inode now,
@@ -306,7 +315,7 @@ def _reap_root(
     grace_s: float,
     filters: ReapFilter,
     dry_run: bool,
-    all_users: bool,
+    all_users: bool | None,
     assume_not_holding: Collection[int],
     use_lease: bool,
     proc_root: Path,
@@ -324,7 +333,8 @@ def _reap_root(
         now=now,
         root_fd=dir_fd,
     )
-    chosen = selected = select(report, filters)
+    selected = select(report, filters)
+    chosen, theirs = _split_by_owner(selected, None if all_users else os.geteuid())
     kept: list[ScanEntry] = []
     if only is not None:
         confirmed = {(e.name, e.identity) for e in only.removed}
@@ -357,6 +367,7 @@ def _reap_root(
                     parked,
                     empty=empty,
                     remove_engines=filters.matches_engine,
+                    remove_others=bool(all_users),
                     use_lease=report.lease_enabled,
                     removed=removed,
                     kept=kept,
@@ -383,10 +394,24 @@ def _reap_root(
         lease_enabled=report.lease_enabled,
         filtered_out=_left_out(report, selected),
         unmatched_filters=filters.unmatched(report.entries),
+        other_users_left=theirs,
         parked=parked if dry_run else (),
         restored=tuple(restored),
         conflicts=tuple(e for e in kept if e.status is Status.PARKED),
         lease_break_time_s=report.lease_break_time_s,
+    )
+
+
+def _split_by_owner(
+    entries: Sequence[ScanEntry], euid: int | None
+) -> tuple[tuple[ScanEntry, ...], tuple[ScanEntry, ...]]:
+    """(the regions this reap may remove, the regions with a file of a uid other than ``euid``);
+    with ``euid`` None (``all_users``), every region is removable."""
+    # A region goes whole or not at all: one file of another user's keeps all of it.
+    theirs = {e.engine_id for e in entries if euid is not None and e.uid != euid}
+    return (
+        tuple(e for e in entries if e.engine_id not in theirs),
+        tuple(e for e in entries if e.engine_id in theirs),
     )
 
 
@@ -745,6 +770,7 @@ def settle_parked(
     *,
     empty: Sequence[str] = (),
     remove_engines: Callable[[str], bool],
+    remove_others: bool,
     use_lease: bool,
     removed: list[ScanEntry],
     kept: list[ScanEntry],
@@ -757,7 +783,8 @@ def settle_parked(
     scan's evidence (and chosen by the operator's filters) is proven dead once more under its
     lease and unlinked; any other file, or a file whose proof fails now, is renamed back to its
     name, and a name taken meanwhile is a conflict (both kept). Removing needs a lease: without
-    one, a dead parked file goes back to its name, where an ordinary reap judges it.
+    one, a dead parked file goes back to its name, where an ordinary reap judges it; so does a
+    region with a file of another uid unless ``remove_others`` (``--all-users``).
     ``empty`` names dead reapers' park directories with nothing left in them: removed.
     """
     by_dir: dict[str, list[ScanEntry]] = {name: [] for name in empty}
@@ -779,12 +806,21 @@ def settle_parked(
                     and remove_engines(engine_id)
                     and all(f.parked is not None and f.parked.action == "remove" for f in files)
                 )
+                foreign = sorted({f.uid for f in files if f.uid != euid})
+                held = None
+                if remove and foreign and not remove_others:
+                    remove = False
+                    held = f"{_uids_text(foreign)}: another user's region is removed only with --all-users"
                 for e in files:
-                    _settle_parked(dir_fd, park_fd, name, e, remove, removed, kept, restored)
+                    _settle_parked(dir_fd, park_fd, name, e, remove, removed, kept, restored, held)
             with contextlib.suppress(OSError):
                 park.remove_if_empty(dir_fd, name, park_fd)
         finally:
             os.close(park_fd)
+
+
+def _uids_text(uids: Sequence[int]) -> str:
+    return f"uid {uids[0]}" if len(uids) == 1 else "uids " + ", ".join(map(str, uids))
 
 
 def _by_engine(entries: Iterable[ScanEntry]) -> dict[str, list[ScanEntry]]:
@@ -803,8 +839,11 @@ def _settle_parked(
     removed: list[ScanEntry],
     kept: list[ScanEntry],
     restored: list[ScanEntry],
+    held: str | None = None,
 ) -> None:
     why = "a dead reap left it parked; "
+    if held is not None:
+        why += f"not removed ({held}); "
     if remove:
         problem = _remove_parked(park_fd, e)
         if problem is None:

@@ -20,7 +20,11 @@ the initial PID namespace), plus an age past the grace period. Only ``orphaned``
 reaped.
 
 Files we have no business judging are ``skipped``: symlinks (never followed), non-regular
-files, files with more than one link, and other users' files unless ``all_users``.
+files, files with more than one link, and other users' files where we may not judge them.
+Root judges every user's files (``ps``, ``lsof`` and ``ipcs`` show root everything too); any
+other user judges only its own, since it can prove another user's file neither dead nor alive
+(``_Owners``). Judging is not removing: ``reap`` removes another user's file only when asked to
+(``all_users=True``).
 
 A region is a base file plus segment files ``.mmap.N``; the group shares one verdict, and
 any file of it that is skipped keeps the whole group (a segment mapped by a live engine
@@ -324,6 +328,35 @@ class _Listed:
     st: os.stat_result
 
 
+@dataclass(frozen=True, slots=True)
+class _Owners:
+    """Whose files are judged, from ``all_users`` and the caller's euid.
+
+    ``all_users`` None (the default): every user's files as root, the caller's own otherwise.
+    True: every user's, and only root may ask (a ``ConfigError`` for anyone else, as
+    ``--all-users`` always was). False: the caller's own only, root included (``--own-only``).
+    """
+
+    #: The uids whose files are judged; None for every uid.
+    uids: frozenset[int] | None
+    #: Why a file of any other uid is skipped.
+    why_not: str = ""
+
+    @classmethod
+    def of(cls, all_users: bool | None, euid: int) -> _Owners:
+        if all_users and euid != 0:
+            raise ConfigError(
+                "all_users", "only root may judge other users' files", fix="run as root, or drop --all-users"
+            )
+        if euid != 0:
+            # Another user's file can be proven neither dead (no lease on it without CAP_LEASE)
+            # nor alive (its holders' /proc is closed to us): judging it would only say unknown.
+            return cls(frozenset({euid}), "only root can judge another user's file")
+        if all_users is False:
+            return cls(frozenset({euid}), "judging your own files only: --own-only")
+        return cls(None)
+
+
 @dataclass(slots=True)
 class _Probe:
     lock_held: bool | None = None
@@ -337,7 +370,7 @@ def scan(
     root: Path | str = DEFAULT_ROOT,
     *,
     grace_s: float = DEFAULT_GRACE_S,
-    all_users: bool = False,
+    all_users: bool | None = None,
     assume_not_holding: Collection[int] = (),
     use_lease: bool = True,
     proc_root: Path = procfs.PROC_ROOT,
@@ -348,7 +381,9 @@ def scan(
 ) -> ScanReport:
     """Judge every ``vllm_offload_*.mmap[.N]`` entry of ``root``.
 
-    ``all_users`` (root only) judges other users' files too. ``assume_not_holding`` lists
+    ``all_users`` says whose files are judged: None (the default) every user's as root and
+    the caller's own otherwise, True every user's (root only), False the caller's own only;
+    the rest are ``skipped``. ``assume_not_holding`` lists
     pids the operator vouches for: processes that cannot be inspected but are known not to
     map regions; it matters only where no lease can be taken. ``use_lease=False`` judges
     from ``/proc``, locks and the owner record alone (``--no-lease``). ``parallel`` forces
@@ -363,15 +398,12 @@ def scan(
     if grace_s < 0:
         raise ConfigError("grace", f"must not be negative, got {grace_s:g}s")
     euid = os.geteuid()
-    if all_users and euid != 0:
-        raise ConfigError(
-            "all_users", "only root may judge other users' files", fix="run as root, or drop --all-users"
-        )
+    owners = _Owners.of(all_users, euid)
     root = Path(root)
     with open_root(root, root_fd) as dir_fd, lease.sigio_ignored() as unsafe:
         lease_off = lease.DISABLED if not use_lease else None if unsafe is None else LeaseProbe(None, unsafe)
         listed, park_names = _list_regions(root, dir_fd)
-        regions = _Sorted.of(listed, None if all_users else {euid})
+        regions = _Sorted.of(listed, owners)
         root_dev = os.fstat(dir_fd).st_dev
         devices = {root_dev} | {item.st.st_dev for item in listed}
         # The probes (open, lease, lock) and the /proc pass are independent: with a second
@@ -403,7 +435,7 @@ def scan(
                 view,
                 probe_args=(lease_off, euid),
                 when=when,
-                all_users=all_users,
+                owners=owners,
             )
             entries = tuple(sorted(entries + parked, key=lambda e: (e.engine_id, e.segment, e.name)))
     return ScanReport(
@@ -452,7 +484,7 @@ class ScanStream:
         root: Path | str,
         *,
         grace_s: float = DEFAULT_GRACE_S,
-        all_users: bool = False,
+        all_users: bool | None = None,
         assume_not_holding: Collection[int] = (),
         use_lease: bool = True,
         proc_root: Path = procfs.PROC_ROOT,
@@ -463,13 +495,9 @@ class ScanStream:
         if grace_s < 0:
             raise ConfigError("grace", f"must not be negative, got {grace_s:g}s")
         self._euid = os.geteuid()
-        if all_users and self._euid != 0:
-            raise ConfigError(
-                "all_users", "only root may judge other users' files", fix="run as root, or drop --all-users"
-            )
+        self._owners = _Owners.of(all_users, self._euid)
         self.root = Path(root)
         self._grace_s = grace_s
-        self._all_users = all_users
         self._assume = frozenset(assume_not_holding)
         self._use_lease = use_lease
         self._proc_root = proc_root
@@ -565,17 +593,16 @@ class ScanStream:
             self._scanner_view(),
             probe_args=(self._lease_off, self._euid),
             when=self._when(),
-            all_users=self._all_users,
+            owners=self._owners,
         )
 
     def regions(self) -> Iterator[tuple[ScanEntry, ...]]:
         """Each region of the root once, judged: its entries by segment, then name."""
-        owners = None if self._all_users else {self._euid}
         probe = functools.partial(_probe, self.dir_fd, lease_off=self._lease_off, euid=self._euid)
         for chunk in _chunks(self._names, STREAM_CHUNK_FILES):
             listed = _stat_names(self.root, self.dir_fd, chunk)
             self._cover({item.st.st_dev for item in listed})
-            regions = _Sorted.of(listed, owners)
+            regions = _Sorted.of(listed, self._owners)
             probes = {item.name: probe(item) for item in regions.to_probe()}
             when = self._when()
             view = self._scanner_view()
@@ -674,7 +701,7 @@ def _kind(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "unknown type")
 
 
-def _skip_reason(item: _Listed, owner_uids: set[int] | None) -> str | None:
+def _skip_reason(item: _Listed, owners: _Owners) -> str | None:
     st = item.st
     kind = _kind(st.st_mode)
     if kind == "symlink":
@@ -683,8 +710,8 @@ def _skip_reason(item: _Listed, owner_uids: set[int] | None) -> str | None:
         return f"{kind}: not a region file"
     if st.st_nlink > 1:
         return f"{st.st_nlink} hard links: another name shares this inode"
-    if owner_uids is not None and st.st_uid not in owner_uids:
-        return f"owned by uid {st.st_uid}, not you (root can judge it with --all-users)"
+    if owners.uids is not None and st.st_uid not in owners.uids:
+        return f"owned by uid {st.st_uid}, not you ({owners.why_not})"
     return None
 
 
@@ -754,14 +781,14 @@ class _Sorted:
     skipped: dict[str, str]
 
     @classmethod
-    def of(cls, listed: list[_Listed], owner_uids: set[int] | None) -> _Sorted:
+    def of(cls, listed: list[_Listed], owners: _Owners) -> _Sorted:
         groups: dict[str, _Group] = {}
         skipped: dict[str, str] = {}
         for item in listed:
             group = groups.get(item.region.engine_id)
             if group is None:
                 group = groups[item.region.engine_id] = _Group(item.region.engine_id)
-            reason = _skip_reason(item, owner_uids)
+            reason = _skip_reason(item, owners)
             if reason is not None:
                 skipped[item.name] = reason
                 group.skipped.append((item.name, reason))
@@ -939,7 +966,7 @@ def _judge_parks(
     *,
     probe_args: tuple[LeaseProbe | None, int],
     when: float,
-    all_users: bool,
+    owners: _Owners,
 ) -> tuple[tuple[ParkView, ...], tuple[ScanEntry, ...]]:
     """Every park directory of the root, and a ``parked`` entry for each region file in it.
 
@@ -975,7 +1002,7 @@ def _judge_parks(
             continue
         try:
             entries.extend(
-                _judge_parked(root, dir_fd, park_fd, found, index, view, lease_off, euid, when, all_users)
+                _judge_parked(root, dir_fd, park_fd, found, index, view, lease_off, euid, when, owners)
             )
         finally:
             os.close(park_fd)
@@ -992,11 +1019,11 @@ def _judge_parked(
     lease_off: LeaseProbe | None,
     euid: int,
     when: float,
-    all_users: bool,
+    owners: _Owners,
 ) -> list[ScanEntry]:
     parsed = ((name, names.parse(name)) for name in found.files or ())
     listed = _stat_names(root, park_fd, [(name, region) for name, region in parsed if region is not None])
-    groups = _Sorted.of(listed, None if all_users else {euid})
+    groups = _Sorted.of(listed, owners)
     by_name = {m.name: m for m in listed}
     reaper = found.reaper
     running = found.running is not False  # unreadable lock state: as if it ran (hands off)

@@ -35,6 +35,10 @@ Invariants:
   its path is a new root (``root_replaced``), and nothing nominated in the old one carries over.
 * Removal happens only on a tmpfs or hugetlbfs unless ``any_filesystem``: elsewhere the
   root is scanned and ``removal_refused`` says why nothing goes.
+* Judging is not removing. As root the agent judges every user's files (``scan``'s default),
+  but removes a region with a file of another uid only with ``all_users=True``
+  (``--all-users``); without it such an orphan stays, counted, never nominated, and
+  ``kept_other_user`` says so once (again when its files change).
 * Nothing is silent: a glob whose fixed part does not exist when the ``Watcher`` is made is a
   ``ConfigError`` naming the kubelet directories of the common distributions
   (``KUBELET_DIRECTORIES``); a glob that matches nothing in a pass is a ``root_no_match``
@@ -81,6 +85,7 @@ __all__ = [
     "DEFAULT_TOP_ENGINES",
     "KUBELET_ROOTS",
     "Event",
+    "KeptOtherUser",
     "KeptUnknown",
     "ParkedSettled",
     "PassReport",
@@ -145,7 +150,9 @@ class WatchConfig:
     interval_s: float = DEFAULT_INTERVAL_S
     reap: bool = False
     grace_s: float = DEFAULT_GRACE_S
-    all_users: bool = False
+    #: Whose files are judged, as ``scan``'s (None: every user's as root); only True removes
+    #: another user's (``--all-users``).
+    all_users: bool | None = None
     assume_not_holding: frozenset[int] = frozenset()
     use_lease: bool = True
     proc_root: Path = procfs.PROC_ROOT
@@ -588,6 +595,20 @@ class KeptUnknown(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class KeptOtherUser(Event):
+    """With ``reap``, an orphaned region with a file of another uid: judged dead, but removed only
+    with ``all_users=True`` (``--all-users``). Told when it becomes orphaned (or its files change)."""
+
+    event: ClassVar[str] = "kept_other_user"
+    engine_id: str = ""
+    bytes: int = 0
+    files: int = 0
+    #: The owners of its files that are not the agent's uid.
+    uids: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ParkedSettled(Event):
     """Files a dead reaper left parked (docs/reap-protocol.md), given back their names
     (``action`` ``restored``: in use, or not provably dead), or left parked because their
@@ -708,6 +729,8 @@ class _RootState:
     orphaned: frozenset[bytes] = _NO_REGIONS
     #: Regions told ``kept_unknown`` in the last pass (told again only when one changes).
     unknown: frozenset[bytes] = _NO_REGIONS
+    #: Regions told ``kept_other_user`` in the last pass (likewise).
+    others: frozenset[bytes] = _NO_REGIONS
     error: str | None = None
     last_success: float | None = None
     #: The directory first seen at the root's path (pinned: another one there is a new root).
@@ -741,6 +764,8 @@ class Watcher:
         }
         self.passes = 0
         self._holders: HolderIndex | None = None
+        #: Whose regions may be removed: the agent's uid's, or (``all_users``) everyone's.
+        self._remover = None if config.all_users else os.geteuid()
 
     @property
     def watched(self) -> tuple[Path, ...]:
@@ -979,6 +1004,7 @@ class Watcher:
         fresh = removable and bool(before)
         orphaned: set[bytes] = set()
         unknown: set[bytes] = set()
+        others: set[bytes] = set()
         pending: list[tuple[ScanEntry, ...]] = []
         pending_files = 0
         with ScanStream(
@@ -1004,14 +1030,18 @@ class Watcher:
             for region in stream.regions():
                 if removable and all(e.status is Status.ORPHANED for e in region):
                     key = _region_key(region)
-                    if key in before and region[0].engine_id not in waiting and not self._should_stop():
+                    foreign = self._foreign_uids(region)
+                    if foreign:
+                        self._tell_other_user(root, state, region, key, foreign, others)
+                    elif key in before and region[0].engine_id not in waiting and not self._should_stop():
                         pending.append(region)
                         pending_files += len(region)
                         if pending_files >= _REMOVAL_BATCH_FILES:
                             self._remove(root, state, stream, pending, tally, orphaned)
                             pending, pending_files = [], 0
                         continue
-                    orphaned.add(key)
+                    else:
+                        orphaned.add(key)
                 elif any(e.status is Status.UNKNOWN for e in region):
                     self._tell_unknown(root, state, region, unknown)
                 tally.count(region)
@@ -1021,7 +1051,41 @@ class Watcher:
         # Most roots have neither: one shared empty set, not two new ones per root and pass.
         state.orphaned = frozenset(orphaned) if orphaned else _NO_REGIONS
         state.unknown = frozenset(unknown) if unknown else _NO_REGIONS
+        state.others = frozenset(others) if others else _NO_REGIONS
         return scanned
+
+    def _foreign_uids(self, region: Sequence[ScanEntry]) -> tuple[int, ...]:
+        """The uids of the region's files that keep it from being removed (none with ``all_users``)."""
+        if self._remover is None:
+            return ()
+        return tuple(sorted({e.uid for e in region if e.uid != self._remover}))
+
+    def _tell_other_user(
+        self,
+        root: Path,
+        state: _RootState,
+        region: tuple[ScanEntry, ...],
+        key: bytes,
+        uids: tuple[int, ...],
+        told: set[bytes],
+    ) -> None:
+        """``kept_other_user`` for another user's orphaned region, once (again if its files change)."""
+        told.add(key)
+        if key in state.others:
+            return
+        owners = f"uid {uids[0]}" if len(uids) == 1 else "uids " + ", ".join(map(str, uids))
+        self._emit(
+            KeptOtherUser(
+                self._clock(),
+                root,
+                state.pod_uid,
+                engine_id=region[0].engine_id,
+                bytes=sum(e.resident_bytes for e in region),
+                files=len(region),
+                uids=uids,
+                reason=f"orphaned, owned by {owners}: another user's region is removed only with --all-users",
+            )
+        )
 
     def _remove(
         self,
@@ -1082,6 +1146,7 @@ class Watcher:
             dead,
             empty=empty,
             remove_engines=lambda engine_id: True,
+            remove_others=self._remover is None,
             use_lease=stream.lease_enabled,
             removed=removed,
             kept=kept,
@@ -1150,6 +1215,7 @@ class Watcher:
             # Nothing seen in the old directory carries over: two passes over this one first.
             state.orphaned = _NO_REGIONS
             state.unknown = _NO_REGIONS
+            state.others = _NO_REGIONS
         state.identity = identity
 
     def _may_remove(self, root: Path, state: _RootState, fd: int) -> bool:

@@ -21,7 +21,9 @@ from shmctl.commands.scan import (
     AllUsersOption,
     AssumeOption,
     NoLeaseOption,
+    OwnOnlyOption,
     RootOption,
+    whose_files,
 )
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ def metrics(
     root: RootOption = DEFAULT_ROOT,
     grace: Annotated[str, typer.Option("--grace", metavar="DURATION", help="As for scan.")] = "30s",
     all_users: AllUsersOption = False,
+    own_only: OwnOnlyOption = False,
     assume_not_holding: AssumeOption = None,
     no_lease: NoLeaseOption = False,
     top_engines: Annotated[
@@ -58,6 +61,7 @@ def metrics(
     from shmctl.render import metrics as render
 
     grace_s = parse_duration(grace, option="--grace")
+    whose = whose_files(all_users, own_only)
     if textfile is not None:
         render.check_textfile_directory(textfile)
     exposition = render.Exposition(top_engines=top_engines)
@@ -67,7 +71,7 @@ def metrics(
         report = scan(
             root,
             grace_s=grace_s,
-            all_users=all_users,
+            all_users=whose,
             assume_not_holding=frozenset(assume_not_holding or ()),
             use_lease=not no_lease,
         )

@@ -13,14 +13,16 @@ import typer
 
 from shmctl.commands.scan import (
     DEFAULT_ROOT,
-    AllUsersOption,
     AssumeOption,
     BytesOption,
     GraceOption,
     JsonOption,
     NoHeadersOption,
     NoLeaseOption,
+    OwnOnlyOption,
+    RemoveAllUsersOption,
     RootOption,
+    whose_files,
 )
 
 
@@ -49,7 +51,8 @@ def reap(
     root: RootOption = DEFAULT_ROOT,
     grace: GraceOption = "30s",
     json_output: JsonOption = False,
-    all_users: AllUsersOption = False,
+    all_users: RemoveAllUsersOption = False,
+    own_only: OwnOnlyOption = False,
     assume_not_holding: AssumeOption = None,
     no_lease: NoLeaseOption = False,
     dry_run: Annotated[
@@ -117,7 +120,7 @@ def reap(
             owner_pids=tuple(pid or ()),
             older_than_s=None if older_than is None else parse_duration(older_than, option="--older-than"),
         ),
-        all_users=all_users,
+        all_users=whose_files(all_users, own_only),
         assume_not_holding=frozenset(assume_not_holding or ()),
         use_lease=not no_lease,
         any_filesystem=any_filesystem,

@@ -42,7 +42,26 @@ GraceOption = Annotated[
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
 AllUsersOption = Annotated[
-    bool, typer.Option("--all-users", help="Also judge other users' files (root only).")
+    bool,
+    typer.Option(
+        "--all-users",
+        help="Judge every user's files: root's default, so a no-op for root; refused to other users.",
+    ),
+]
+#: ``reap`` and ``watch``: root judges every user's files anyway; the flag is what removes them.
+RemoveAllUsersOption = Annotated[
+    bool,
+    typer.Option(
+        "--all-users",
+        help=(
+            "Also remove other users' orphaned files (root only). Without it root judges them "
+            "and leaves them, saying so."
+        ),
+    ),
+]
+OwnOnlyOption = Annotated[
+    bool,
+    typer.Option("--own-only", help="Judge only your own files, even as root (others' are skipped)."),
 ]
 AssumeOption = Annotated[
     list[int] | None,
@@ -78,11 +97,24 @@ NoHeadersOption = Annotated[
 DEFAULT_ROOT = Path("/dev/shm")
 
 
+def whose_files(all_users: bool, own_only: bool) -> bool | None:
+    """``--all-users`` and ``--own-only`` as the library's ``all_users``: True, False, or None
+    (the default: every user's files as root, your own otherwise)."""
+    from kvoffload.errors import ConfigError
+
+    if all_users and own_only:
+        raise ConfigError(
+            "--own-only", "cannot be combined with --all-users", fix="pass one of them, or neither"
+        )
+    return True if all_users else False if own_only else None
+
+
 def scan(
     root: RootOption = DEFAULT_ROOT,
     grace: GraceOption = "30s",
     json_output: JsonOption = False,
     all_users: AllUsersOption = False,
+    own_only: OwnOnlyOption = False,
     assume_not_holding: AssumeOption = None,
     no_lease: NoLeaseOption = False,
     deleted: Annotated[
@@ -111,7 +143,7 @@ def scan(
     report = run_scan(
         root,
         grace_s=parse_duration(grace, option="--grace"),
-        all_users=all_users,
+        all_users=whose_files(all_users, own_only),
         assume_not_holding=frozenset(assume_not_holding or ()),
         use_lease=not no_lease,
     )

@@ -14,7 +14,13 @@ from typing import Annotated
 
 import typer
 
-from shmctl.commands.scan import AllUsersOption, AssumeOption, NoLeaseOption
+from shmctl.commands.scan import (
+    AssumeOption,
+    NoLeaseOption,
+    OwnOnlyOption,
+    RemoveAllUsersOption,
+    whose_files,
+)
 
 DEFAULT_ROOTS = ["/dev/shm"]
 
@@ -78,7 +84,8 @@ def watch(
     max_passes: Annotated[
         int | None, typer.Option("--max-passes", min=1, metavar="N", help="Exit after N passes.")
     ] = None,
-    all_users: AllUsersOption = False,
+    all_users: RemoveAllUsersOption = False,
+    own_only: OwnOnlyOption = False,
     assume_not_holding: AssumeOption = None,
     no_lease: NoLeaseOption = False,
     top_engines: Annotated[
@@ -128,7 +135,7 @@ def watch(
         interval_s=interval_s,
         reap=reap,
         grace_s=parse_duration(grace, option="--grace"),
-        all_users=all_users,
+        all_users=whose_files(all_users, own_only),
         assume_not_holding=frozenset(assume_not_holding or ()),
         use_lease=not no_lease,
         any_filesystem=any_filesystem,

@@ -13,6 +13,7 @@ sequence).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -130,7 +131,9 @@ def _holders_text(holders: Sequence[Holder], shown: int = 3) -> str:
     return text + (f",+{len(holders) - shown}" if len(holders) > shown else "")
 
 
-def summary_line(summary: ScanSummary, root: object, *, exact: bool = False) -> str:
+def summary_line(
+    summary: ScanSummary, root: object, *, exact: bool = False, reap: str = "shmctl reap"
+) -> str:
     if not summary.total:
         return f"no region files in {printable(str(root))}"
     counts = ", ".join(f"{getattr(summary, s.value)} {s.value}" for s in Status if getattr(summary, s.value))
@@ -138,7 +141,7 @@ def summary_line(summary: ScanSummary, root: object, *, exact: bool = False) -> 
     if summary.orphaned:
         line += (
             f"; orphans pin {amount_text(summary.orphaned_resident_bytes, exact=exact)} "
-            f"({amount_text(summary.orphaned_size_bytes, exact=exact)} apparent); `shmctl reap` removes them"
+            f"({amount_text(summary.orphaned_size_bytes, exact=exact)} apparent); `{reap}` removes them"
         )
     return line
 
@@ -199,8 +202,18 @@ def scan_report(
         )
     if show_deleted:
         _deleted_table(report, exact_bytes=exact_bytes, headers=headers)
-    _summary(summary_line(report.summary, report.root, exact=exact_bytes), headers=headers)
+    _summary(
+        summary_line(report.summary, report.root, exact=exact_bytes, reap=_reap_command(report)),
+        headers=headers,
+    )
     _note_huge_pages(report)
+
+
+def _reap_command(report: ScanReport) -> str:
+    """The reap that removes every orphan of the scan: root's own reap leaves other users' files."""
+    euid = os.geteuid()
+    others = any(e.uid != euid for e in report.with_status(Status.ORPHANED))
+    return "shmctl reap --all-users" if others else "shmctl reap"
 
 
 def _note_huge_pages(report: ScanReport) -> None:
@@ -290,18 +303,48 @@ def kept_unknown_line(report: ReapReport) -> None:
     )
 
 
-def _reap_rows(verb: str, entries: Sequence[ScanEntry], *, exact: bool) -> list[Sequence[Cell]]:
+def _reap_rows(
+    verb: str, entries: Sequence[ScanEntry], *, exact: bool, style: str | None = None
+) -> list[Sequence[Cell]]:
     return [
         (
-            (verb, STYLE[row.first.status] if verb == "kept" else None),
+            (verb, STYLE[row.first.status] if verb == "kept" else style),
             row.engine,
             str(len(row.entries)),
             size_text(row.size, exact=exact),
             size_text(row.resident, exact=exact),
-            printable(row.first.reason),
+            printable(_other_user_reason(row) if verb == "left" else row.first.reason),
         )
         for row in _rows(entries)
     ]
+
+
+def _other_user_reason(row: _Row) -> str:
+    owners = _uids_text(_foreign_uids(row.entries))
+    return f"{owners}, not yours: removed only with --all-users; {row.first.reason}"
+
+
+def _foreign_uids(entries: Iterable[ScanEntry]) -> list[int]:
+    """The owners of ``entries`` other than us (a region left whole may hold a file of ours)."""
+    euid = os.geteuid()
+    return sorted({e.uid for e in entries if e.uid != euid})
+
+
+def _uids_text(uids: Sequence[int]) -> str:
+    return f"uid {uids[0]}" if len(uids) == 1 else "uids " + ", ".join(map(str, uids))
+
+
+def _other_users_note(report: ReapReport, *, exact: bool) -> str:
+    """What the reap left of other users' orphans, and the fix; empty when it left none."""
+    left = report.other_users_left
+    if not left:
+        return ""
+    uids = _foreign_uids(left)
+    resident = amount_text(sum(e.resident_bytes for e in left), exact=exact)
+    return (
+        f"left {len(left)} orphaned file(s) of other users ({_uids_text(uids)}), {resident} resident: "
+        "pass --all-users to remove them"
+    )
 
 
 def _filter_notes(report: ReapReport, filters_text: str, *, exact: bool) -> str:
@@ -333,12 +376,16 @@ def reap_report(
     rows += _reap_rows("restored", report.restored, exact=exact_bytes)
     rows += _reap_rows("parked", report.parked, exact=exact_bytes)
     rows += _reap_rows("kept", report.kept, exact=exact_bytes)
+    rows += _reap_rows("left", report.other_users_left, exact=exact_bytes, style=STYLE[Status.ORPHANED])
     if rows:
         write_table(REAP_COLUMNS, rows, headers=headers)
     files = len(report.removed)
     freed = amount_text(report.freed_bytes, exact=exact_bytes)
+    others = _other_users_note(report, exact=exact_bytes)
     if not files and not report.kept and not report.restored and not report.parked:
-        if report.filtered_out:
+        if others:
+            line = f"nothing to reap; {others}" + _filter_notes(report, filters_text, exact=exact_bytes)
+        elif report.filtered_out:
             line = "nothing to reap" + _filter_notes(report, filters_text, exact=exact_bytes)
         else:
             line = f"nothing to reap: {summary_line(report.summary, report.root, exact=exact_bytes)}"
@@ -354,6 +401,8 @@ def reap_report(
             line += f"; kept {kept} that changed since the plan"
         if report.conflicts:
             line += f"; {len(report.conflicts)} conflict(s): parked, name taken, nothing removed"
+        if others:
+            line += f"; {others}"
         line += _filter_notes(report, filters_text, exact=exact_bytes)
     _summary(line, headers=headers)
 
