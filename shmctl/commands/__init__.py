@@ -6,7 +6,7 @@ import typer
 
 
 def register_all(app: typer.Typer) -> None:
-    from shmctl.commands import audit, faults_cmd, init, metrics, reap, scan, watch
+    from shmctl.commands import audit, doctor, faults_cmd, init, metrics, reap, scan, watch
 
-    for module in (scan, reap, init, faults_cmd, audit, metrics, watch):
+    for module in (scan, reap, init, faults_cmd, audit, metrics, watch, doctor):
         module.register(app)
