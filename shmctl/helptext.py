@@ -74,7 +74,9 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "doctor": (
         ("shmctl doctor", "one verdict per check, with the fix"),
-        ("shmctl doctor --json", "the same as one JSON document"),
+        ("shmctl doctor --plan engine.json --model llama-3-70b --world-size 4", "will it fit"),
+        ("shmctl doctor --need 200g --need 200g", "two regions of 200 GiB"),
+        ("shmctl doctor --json | jq '.checks[] | select(.status != \"ok\")'", "what is not ok"),
     ),
 }
 

@@ -41,6 +41,8 @@ CONTEXT: dict[str, list[str]] = {
         "4096",
     ],
 }
+# A default tmpfs root: every check of the test host may warn, none fails.
+CONTEXT["doctor"] = ["--root", ROOT]
 #: Arguments that must come after the options.
 TRAILING: dict[str, list[str]] = {"audit": ["--", "true"]}
 CONTEXT["audit"] = ["--root", ROOT]
@@ -150,6 +152,9 @@ EXTRA_CASES = [
     Case("audit", ("audit", "--root", ROOT, "--", "/nonexistent/kvtest-command"), USAGE, "not found"),
     Case("audit", ("audit", "--root", ROOT, "--settle", "-1s", "--", "true"), USAGE, "--settle"),
     Case("init", (*["init", *CONTEXT["init"]], "--fail-at", "no-such-point"), USAGE, "no-such-point"),
+    Case("doctor", ("doctor", "--root", sys.executable), RUNTIME, "is not a directory"),
+    Case("doctor", ("doctor", "--root", ROOT, "--need", "1.5g"), USAGE, "--need"),
+    Case("doctor", ("doctor", "--root", ROOT, "--plan", sys.executable), USAGE, "--kv-bytes-per-block"),
 ]
 
 

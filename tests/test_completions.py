@@ -47,7 +47,7 @@ def test_shipped_completion_scripts_are_current(shell: str) -> None:
 
 
 def test_commands_complete() -> None:
-    assert complete("shmctl ", 1) == ["scan", "reap", "init", "faults", "audit", "metrics", "watch"]
+    assert complete("shmctl ", 1) == ["scan", "reap", "init", "faults", "audit", "metrics", "watch", "doctor"]
 
 
 def test_fail_at_completes_from_the_fault_registry() -> None:

@@ -1,7 +1,8 @@
 """``scan`` says how its root is mounted and, where regions get 4 KiB pages, how to get huge ones.
 
 Real tmpfs mounts of the test's own (``huge=never`` and ``huge=within_size``), a real file in
-each, the CLI's JSON checked against its schema, and the note on a real terminal only.
+each, the CLI's JSON checked against its schema. The fix is the JSON's only: a text scan, even
+on a terminal, leaves it to ``shmctl doctor`` and ``init --dry-run``.
 """
 
 from __future__ import annotations
@@ -70,17 +71,19 @@ def test_the_json_carries_the_mount_and_validates(shm_root: tuple[Path, str]) ->
     assert "huge" not in done.stderr  # JSON mode: the document says it, stderr does not
 
 
-def test_a_terminal_gets_the_fix_once_and_a_pipe_never(shm_root: tuple[Path, str]) -> None:
+def test_neither_a_terminal_nor_a_pipe_gets_the_fix_from_scan_doctor_gives_it(
+    shm_root: tuple[Path, str],
+) -> None:
     root, huge = shm_root
     on = huge_pages_on(huge)
     seen = on_a_terminal("scan", "--root", str(root), "--grace", "0", on=("stdout", "stderr"))
     piped = shmctl("scan", "--root", str(root), "--grace", "0")
-    notes = [
-        line
-        for line in seen.plain.splitlines()
-        if line.startswith("shmctl: note: pre-faulting runs on 4 KiB")
-    ]
-    assert len(notes) == (0 if on else 1), seen.plain
-    assert all(f"huge=within_size {shlex.quote(str(root))}" in note for note in notes)
+    assert "pre-faulting" not in seen.plain, seen.plain
     assert "pre-faulting" not in piped.stderr
-    assert "orphaned" in piped.stdout  # the table itself is unchanged
+    assert "orphaned" in seen.plain
+    assert "orphaned" in piped.stdout
+    doctor = json.loads(shmctl("doctor", "--root", str(root), "--json").stdout)
+    [check] = [c for c in doctor["checks"] if c["name"] == "huge-pages"]
+    assert (check["status"], check["fix"]) == (
+        ("ok", None) if on else ("warn", mounts.check_huge_pages(root).fix)
+    )

@@ -180,20 +180,30 @@ def _fallback_populate_write(mm: mmap.mmap, offset: int, length: int) -> None:
 PopulateWrite = Callable[[mmap.mmap, int, int], object]
 
 
-def _get_populate_write_fn(mm: mmap.mmap) -> PopulateWrite:
-    """How to pre-fault ``mm``: MADV_POPULATE_WRITE where it works (Linux >= 5.14), else the touch.
+def probe_populate_write(mm: mmap.mmap) -> bool:
+    """Does MADV_POPULATE_WRITE work on ``mm`` (Linux >= 5.14)? Faults its first page in.
 
-    Probed on the mapping's first page, once per mapping. EINVAL means the kernel lacks the
-    advice; any other error is real and propagates.
+    False on EINVAL, the kernel's answer for an advice it lacks; any other error is real and
+    propagates. ``shmctl doctor`` asks the same on a page of its own.
     """
     try:
         _madvise_populate_write(mm, 0, PAGESIZE)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        log.warning("MADV_POPULATE_WRITE is not supported; falling back to per-page writes (slower start)")
-        return _fallback_populate_write
-    return _madvise_populate_write
+        return False
+    return True
+
+
+def _get_populate_write_fn(mm: mmap.mmap) -> PopulateWrite:
+    """How to pre-fault ``mm``: MADV_POPULATE_WRITE where it works (Linux >= 5.14), else the touch.
+
+    Probed on the mapping's first page, once per mapping.
+    """
+    if probe_populate_write(mm):
+        return _madvise_populate_write
+    log.warning("MADV_POPULATE_WRITE is not supported; falling back to per-page writes (slower start)")
+    return _fallback_populate_write
 
 
 def _wait_for_file_size(

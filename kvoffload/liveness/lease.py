@@ -146,6 +146,18 @@ def break_time_s(proc_root: Path = procfs.PROC_ROOT) -> float | None:
         return None
 
 
+def leases_enabled(proc_root: Path = procfs.PROC_ROOT) -> bool | None:
+    """``fs.leases-enable``: whether the kernel grants leases at all. None if it cannot be read.
+
+    At 0 every ``F_SETLEASE`` fails with ``EINVAL``: no file gets the lease's proof, and a
+    verdict rests on ``/proc`` and locks alone.
+    """
+    try:
+        return int((proc_root / "sys" / "fs" / "leases-enable").read_text().strip()) != 0
+    except (OSError, ValueError):
+        return None
+
+
 def guard_status() -> guard.GuardStatus:
     """Whether a watchdog guards this process's leases (``guard``), and why not."""
     return guard.status()

@@ -271,11 +271,17 @@ class HugePages:
     fix: str | None
 
 
-def check_huge_pages(root: Path | str) -> HugePages:
+def check_huge_pages(
+    root: Path | str,
+    *,
+    mountinfo: Path = MOUNTINFO,
+    mounts: Path = MOUNTS,
+    sysfs: Path = THP_SYSFS,
+) -> HugePages:
     """Whether the root's mount gives the region huge pages; the fix, with the measured factor, if not."""
-    info = root_mount(root)
+    info = root_mount(root, mountinfo=mountinfo, mounts=mounts, sysfs=sysfs)
     if info is None:
-        return HugePages(None, None, None, read_shmem_enabled(), "never", None)
+        return HugePages(None, None, None, read_shmem_enabled(sysfs), "never", None)
     return HugePages(
         mount_point=info.mount_point,
         fs_type=info.fs_type,

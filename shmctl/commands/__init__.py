@@ -7,9 +7,9 @@ import typer
 
 def register_all(app: typer.Typer) -> None:
     from shmctl import helptext
-    from shmctl.commands import audit, faults_cmd, init, metrics, reap, scan, watch
+    from shmctl.commands import audit, doctor, faults_cmd, init, metrics, reap, scan, watch
 
-    for module in (scan, reap, init, faults_cmd, audit, metrics, watch):
+    for module in (scan, reap, init, faults_cmd, audit, metrics, watch, doctor):
         module.register(app)
     # Summaries and examples live in one table (shmctl.helptext), which --help, the man page and
     # the tests read; the commands' docstrings keep the longer description.

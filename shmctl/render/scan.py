@@ -202,11 +202,12 @@ def scan_report(
         )
     if show_deleted:
         _deleted_table(report, exact_bytes=exact_bytes, headers=headers)
+    # How the root's mount backs regions (huge pages or 4 KiB ones) is in the JSON's
+    # ``huge_pages``; its fix is `shmctl doctor`'s and `init --dry-run`'s to say, not every scan's.
     _summary(
         summary_line(report.summary, report.root, exact=exact_bytes, reap=_reap_command(report)),
         headers=headers,
     )
-    _note_huge_pages(report)
 
 
 def _reap_command(report: ScanReport) -> str:
@@ -214,16 +215,6 @@ def _reap_command(report: ScanReport) -> str:
     euid = os.geteuid()
     others = any(e.uid != euid for e in report.with_status(Status.ORPHANED))
     return "shmctl reap --all-users" if others else "shmctl reap"
-
-
-def _note_huge_pages(report: ScanReport) -> None:
-    """On a terminal, say once how to get huge pages where the root has none (JSON: ``huge_pages``).
-
-    Only to a person: a timer's journal would get the same line every minute.
-    """
-    huge = report.huge_pages
-    if huge is not None and huge.fix and report.entries and sys.stderr.isatty():
-        warning_line(huge.fix, note=True)
 
 
 def _deleted_table(report: ScanReport, *, exact_bytes: bool, headers: bool) -> None:
