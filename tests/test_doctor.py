@@ -476,21 +476,6 @@ def test_a_plan_that_cannot_be_read_names_the_plan_option(root: Path, tmp_path: 
     assert done.stderr.startswith(f"shmctl: error: --plan: {tmp_path / 'none.json'} does not exist (fix: ")
 
 
-EXAMPLES_TAIL = """
-  Examples:
-    shmctl doctor
-    shmctl doctor --plan engine.json --model llama-3-70b --world-size 4
-    shmctl doctor --need 200g --need 200g --textfile /var/lib/node_exporter
-    shmctl doctor --json | jq '.checks[] | select(.status != "ok")'
-"""
-
-
-def test_the_help_ends_with_examples() -> None:
-    done = shmctl("doctor", "--help", env={"COLUMNS": "200"})
-    assert done.returncode == 0
-    assert done.stdout.endswith(EXAMPLES_TAIL)
-
-
 def test_loading_the_cli_imports_no_part_of_doctor() -> None:
     # `shmctl --help` and every Tab press import each command module's top level.
     code = (
