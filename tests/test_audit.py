@@ -8,13 +8,17 @@ files, in a private directory of /dev/shm (the ``root`` fixture) unless it says 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shlex
 import signal
+import socket
+import stat
 import subprocess
 import sys
+import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -26,6 +30,7 @@ import pytest
 
 from kvoffload.liveness.audit import ExitReason, audit
 from tests.hostile import shmctl as run_shmctl
+from tests.procs import REPO
 from tests.schemas import schema, validate
 
 SHM = Path("/dev/shm")
@@ -230,12 +235,16 @@ def _bad_output_path(kind: str, tmp_path: Path) -> tuple[str, str]:
         return str(tmp_path / "no-such-dir" / "out"), f"{tmp_path / 'no-such-dir'} is not a directory"
     if kind == "a-directory":
         return str(tmp_path), f"{tmp_path} is a directory"
+    if kind == "pseudo-filesystem":  # /proc answers a new file with ENOENT, even to root
+        return "/proc/kvtest-audit-report", "cannot create files in /proc"
     # sysfs takes no new file from anyone, root included: an unwritable directory anywhere.
     return "/sys/kvtest-audit-report", "cannot create files in /sys"
 
 
 @pytest.mark.parametrize("option", ["--report", "--junit"])
-@pytest.mark.parametrize("kind", ["stdout", "missing-directory", "a-directory", "unwritable-directory"])
+@pytest.mark.parametrize(
+    "kind", ["stdout", "missing-directory", "a-directory", "unwritable-directory", "pseudo-filesystem"]
+)
 def test_an_output_that_cannot_be_written_is_refused_before_the_command_runs(
     option: str, kind: str, root: Path, tmp_path: Path
 ) -> None:
@@ -247,6 +256,9 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_command_runs(
     assert done.stderr.startswith(f"shmctl: error: {option}: {why}"), done.stderr
     assert done.stderr.count("\n") == 1
     assert "fix: " in done.stderr
+    if kind in ("unwritable-directory", "pseudo-filesystem"):
+        assert "a pseudo-filesystem that takes no files" in done.stderr
+        assert "free space" not in done.stderr
     assert os.listdir(root) == []
     assert sorted(os.listdir(tmp_path)) == before
 
@@ -268,8 +280,9 @@ def test_a_clean_run_is_one_line_a_valid_report_and_a_passing_junit_suite(root: 
     )
     assert re.fullmatch(line + "\n", done.stderr), done.stderr
     doc = read_report(report)
-    assert (doc["schema_version"], doc["exit_status"], doc["exit_reason"]) == (1, 0, "clean")
+    assert (doc["schema_version"], doc["exit_status"], doc["exit_reason"]) == (2, 0, "clean")
     assert (doc["leaked"], doc["leaked_deleted"], doc["reap_commands"]) == ([], [], [])
+    assert doc["command_start_error"] is None
     suite = read_junit(junit)
     assert outcomes(suite) == [
         ("shmctl.audit.command", "true", None),
@@ -458,15 +471,255 @@ def test_the_outputs_replace_old_files_whole_and_leave_no_temp_file(root: Path, 
     read_junit(junit)
 
 
-def test_a_command_that_is_not_found_is_a_usage_error_and_writes_no_report(
-    root: Path, tmp_path: Path
+# --- a command that cannot be started ---------------------------------------------------
+
+
+def _unstartable(kind: str, tmp_path: Path) -> str:
+    """A command ``execve`` refuses, of the kind named."""
+    if kind == "not-found":
+        return "no-such-command-kvtest"
+    if kind == "no-such-path":
+        return str(tmp_path / "no-such-program")
+    path = tmp_path / "program"
+    if kind == "not-executable":
+        path.write_text("#!/bin/sh\ntrue\n")
+        path.chmod(0o644)
+    elif kind == "no-interpreter":
+        path.write_text(f"#!{tmp_path / 'no-such-interpreter'}\ntrue\n")
+        path.chmod(0o755)
+    elif kind == "exec-format":
+        path.write_text("not a program\n")  # executable, no #! line: ENOEXEC
+        path.chmod(0o755)
+    else:
+        path.mkdir()  # a directory: EACCES
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "errno_name", "why", "fix"),
+    [
+        ("not-found", 127, "ENOENT", "command not found", "check its name, or add its directory to PATH"),
+        ("no-such-path", 127, "ENOENT", "no such file", "check the path"),
+        ("not-executable", 126, "EACCES", "permission denied", "chmod +x"),
+        ("no-interpreter", 126, "ENOENT", "bad interpreter", "fix the #! line"),
+        ("exec-format", 126, "ENOEXEC", "exec format error", "add a #! line"),
+        ("directory", 126, "EACCES", "is a directory", "name the program to run"),
+    ],
+)
+def test_a_command_that_cannot_start_exits_as_a_shell_would_and_still_writes_both_files(
+    kind: str, status: int, errno_name: str, why: str, fix: str, root: Path, tmp_path: Path
 ) -> None:
-    report = tmp_path / "audit.json"
-    done = shmctl("audit", "--root", str(root), "--report", str(report), "--", "no-such-command-kvtest")
-    assert (done.returncode, done.stdout) == (2, "")
+    command = _unstartable(kind, tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    report, junit = out / "audit.json", out / "audit.xml"
+    done = shmctl("audit", "--root", str(root), "--report", str(report), "--junit", str(junit), "--", command)
+    assert (done.returncode, done.stdout) == (status, "")
+    assert done.stderr.startswith(f"shmctl: error: {command}: {why}"), done.stderr
+    assert f"(fix: {fix}" in done.stderr
     assert done.stderr.count("\n") == 1
-    assert "not found" in done.stderr
-    assert os.listdir(tmp_path) == []
+    doc = read_report(report)
+    assert (doc["exit_status"], doc["exit_reason"]) == (status, "command-not-started")
+    assert (doc["command_exit_code"], doc["command_signal"], doc["clean"]) == (None, None, True)
+    assert doc["command_start_error"]["errno"] == errno_name
+    assert doc["command_start_error"]["found"] is (kind not in ("not-found", "no-such-path"))
+    suite = read_junit(junit)
+    assert outcomes(suite) == [("shmctl.audit.command", command, "command-not-started")]
+
+
+def test_the_library_reports_a_command_that_cannot_start_instead_of_raising(root: Path) -> None:
+    report = audit(["no-such-command-kvtest", "arg"], root)
+    assert (report.exit_status, report.exit_reason) == (127, ExitReason.COMMAND_NOT_STARTED)
+    assert report.command_start_error is not None
+    assert (report.command_start_error.errno, report.command_start_error.found) == ("ENOENT", False)
+    assert report.command == ("no-such-command-kvtest", "arg")
+
+
+# --- where the outputs go: replaced, or written in place -------------------------------
+
+
+@pytest.fixture
+def quiet_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A root off /dev/shm's filesystem, where no other session's deleted region is mapped:
+    these tests are about the outputs, and a stranger's leak must not change the exit status."""
+    return tmp_path_factory.mktemp("root")
+
+
+def test_a_fifo_is_written_in_place_for_its_reader_and_stays_a_fifo(quiet_root: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    done = shmctl("audit", "--root", str(quiet_root), "--report", str(fifo), "--", "true")
+    reader.join(30)
+    assert done.returncode == 0, done.stderr
+    assert not reader.is_alive()
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    doc = json.loads(received[0])
+    validate(doc, "audit")
+    assert doc["exit_reason"] == "clean"
+    assert sorted(os.listdir(tmp_path)) == ["report.fifo"]
+
+
+@contextmanager
+def host_names_kept(*paths: Path) -> Iterator[None]:
+    """Should a regression replace a device or link of /dev (the bug these tests pin), it is
+    made again as it was when the block ends: the host's other users keep their /dev/null."""
+    before = {path: os.lstat(path) for path in paths}
+    links = {path: os.readlink(path) for path, st in before.items() if stat.S_ISLNK(st.st_mode)}
+    try:
+        yield
+    finally:
+        for path, st in before.items():
+            now = os.lstat(path)
+            if stat.S_IFMT(now.st_mode) == stat.S_IFMT(st.st_mode):
+                continue
+            spare = path.with_name(f".{path.name}.kvtest")
+            if path in links:
+                os.symlink(links[path], spare)
+            else:
+                os.mknod(spare, stat.S_IMODE(st.st_mode) | stat.S_IFMT(st.st_mode), st.st_rdev)
+                os.chmod(spare, stat.S_IMODE(st.st_mode))
+            os.replace(spare, path)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("where", ["dev-null", "private-node"])
+def test_a_character_device_is_written_in_place_never_replaced(
+    where: str, quiet_root: Path, tmp_path: Path
+) -> None:
+    if where == "dev-null":
+        null = Path(os.devnull)
+    else:  # the same device made here: a check that cannot touch the host's
+        null = tmp_path / "null"
+        os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    before = os.lstat(null)
+    with host_names_kept(null):
+        done = shmctl("audit", "--root", str(quiet_root), "--report", str(null), "--", "true")
+        after = os.lstat(null)
+    assert done.returncode == 0, done.stderr
+    assert stat.S_ISCHR(after.st_mode)
+    assert (after.st_rdev, after.st_ino, after.st_mode) == (before.st_rdev, before.st_ino, before.st_mode)
+
+
+def test_junit_to_dev_stdout_follows_the_commands_output_on_the_pipe(quiet_root: Path) -> None:
+    with host_names_kept(Path("/dev/stdout")):
+        done = shmctl("audit", "--root", str(quiet_root), "--junit", "/dev/stdout", "--", "echo", "hello")
+    assert stat.S_ISLNK(os.lstat("/dev/stdout").st_mode)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("hello\n<?xml ")
+    suite = ET.fromstring(done.stdout.removeprefix("hello\n").encode())
+    assert [c.get("name") for c in suite.findall("testcase")] == ["echo hello", "left nothing"]
+
+
+@pytest.mark.parametrize("name", ["/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"])
+def test_an_fd_by_name_is_written_at_its_offset_when_it_is_a_regular_file(
+    name: str, quiet_root: Path, tmp_path: Path
+) -> None:
+    # `shmctl audit --report /dev/stdout -- cmd > log`: the report follows the command's
+    # output in the log, neither replacing the log nor overwriting it from its first byte.
+    log = tmp_path / "log"
+    audit_args = ["audit", "--root", str(quiet_root), "--report", name, "--", "echo", "hi"]
+    with log.open("wb") as out, host_names_kept(Path("/dev/stdout")):
+        done = subprocess.run(
+            [sys.executable, "-m", "shmctl", *audit_args],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            check=False,
+            timeout=60,
+        )
+        inode = os.fstat(out.fileno()).st_ino
+    assert done.returncode == 0, done.stderr
+    assert os.stat(log).st_ino == inode
+    text = log.read_text()
+    assert text.startswith("hi\n{")
+    validate(json.loads(text.removeprefix("hi\n")), "audit")
+
+
+def test_a_symlink_stays_a_link_and_the_file_it_names_is_replaced(quiet_root: Path, tmp_path: Path) -> None:
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    target.write_text("stale")
+    link.symlink_to(target.name)
+    dangling_link, missing = tmp_path / "dangling.json", tmp_path / "missing.json"
+    dangling_link.symlink_to(missing.name)
+    done = shmctl(
+        "audit", "--root", str(quiet_root), "--report", str(link), "--junit", str(dangling_link), "--", "true"
+    )
+    assert done.returncode == 0, done.stderr
+    assert os.readlink(link) == target.name
+    assert os.readlink(dangling_link) == missing.name
+    assert read_report(target)["exit_reason"] == "clean"
+    read_junit(missing)
+    assert sorted(os.listdir(tmp_path)) == ["dangling.json", "link.json", "missing.json", "real.json"]
+
+
+def test_two_names_of_one_file_are_refused(quiet_root: Path, tmp_path: Path) -> None:
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    link.symlink_to(target)
+    done = shmctl(
+        "audit", "--root", str(quiet_root), "--report", str(target), "--junit", str(link), "--", "true"
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(f"shmctl: error: --junit: {link} is also the --report file")
+
+
+def _unusable_in_place(kind: str, tmp_path: Path) -> tuple[str, str, str]:
+    """A name that is not a file to replace and cannot be written: the name, why, the fix."""
+    if kind == "socket":
+        path = tmp_path / "sock"
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(path))
+        return str(path), f"{path} is a socket", "name a file, a FIFO or a device"
+    if kind == "fd-not-open":
+        return "/dev/fd/9", "/dev/fd/9: fd 9 is not open", "open it for writing (9>FILE in the shell)"
+    # /proc/self/fd/0, not /dev/stdin: a regression that replaced the name could not touch /dev.
+    return "/proc/self/fd/0", "/proc/self/fd/0: fd 0 is open read-only", "open it for writing"
+
+
+@pytest.mark.parametrize("kind", ["socket", "fd-not-open", "fd-read-only"])
+def test_a_name_that_cannot_be_written_in_place_is_refused_before_the_command_runs(
+    kind: str, quiet_root: Path, tmp_path: Path
+) -> None:
+    value, why, fix = _unusable_in_place(kind, tmp_path)
+    marker = quiet_root / "ran"
+    audit_args = ["audit", "--root", str(quiet_root), "--report", value, "--", "touch", str(marker)]
+    done = subprocess.run(  # stdin the read end of a pipe: open read-only
+        [sys.executable, "-m", "shmctl", *audit_args],
+        input="",
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.startswith(f"shmctl: error: --report: {why}"), done.stderr
+    assert f"(fix: {fix}" in done.stderr
+    assert not marker.exists()
+    if kind == "socket":
+        assert stat.S_ISSOCK(os.lstat(value).st_mode)
+
+
+@pytest.mark.root
+def test_a_device_that_refuses_the_report_is_named_with_its_own_fix(quiet_root: Path, tmp_path: Path) -> None:
+    full = tmp_path / "full"  # /dev/full's device, made here: ENOSPC on every write
+    os.mknod(full, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    junit = tmp_path / "audit.xml"
+    done = shmctl(
+        "audit", "--root", str(quiet_root), "--report", str(full), "--junit", str(junit), "--", "true"
+    )
+    assert done.returncode == 3
+    last = done.stderr.splitlines()[-1]
+    assert last == (
+        f"shmctl: error: --report {full}: cannot write: {os.strerror(errno.ENOSPC)} "
+        f"(fix: the device {full} refused the data: name another file)"
+    )
+    assert "free space" not in done.stderr
+    read_junit(junit)  # the other file is still written
+    assert stat.S_ISCHR(os.lstat(full).st_mode)
 
 
 # --- the schema ------------------------------------------------------------------------
@@ -487,7 +740,8 @@ def test_the_schema_closes_every_object_and_describes_every_field() -> None:
     audit_schema = schema("audit")
     assert audit_schema["$id"] == "urn:shmctl:schema:audit"
     objects = list(_objects(audit_schema))
-    assert len(objects) == 1  # the report; its entries are scan's, by reference
+    # The report and its command_start_error; its entries are scan's, by reference.
+    assert [where for where, _ in objects] == ["#", "#/properties/command_start_error/oneOf/1"]
     for where, obj in objects:
         assert obj.get("additionalProperties") is False, where
         assert set(obj["required"]) == set(obj["properties"]), where

@@ -149,7 +149,8 @@ EXTRA_CASES = [
     Case(
         "metrics", ("metrics", "--root", ROOT, "--textfile", "/nonexistent/kvtest-dir"), RUNTIME, "textfile"
     ),
-    Case("audit", ("audit", "--root", ROOT, "--", "/nonexistent/kvtest-command"), USAGE, "not found"),
+    # As a shell: 127, one line naming the command and the fix (the report, when asked, says why).
+    Case("audit", ("audit", "--root", ROOT, "--", "/nonexistent/kvtest-command"), 127, "no such file"),
     Case("audit", ("audit", "--root", ROOT, "--settle", "-1s", "--", "true"), USAGE, "--settle"),
     Case("init", (*["init", *CONTEXT["init"]], "--fail-at", "no-such-point"), USAGE, "no-such-point"),
     Case("doctor", ("doctor", "--root", sys.executable), RUNTIME, "is not a directory"),

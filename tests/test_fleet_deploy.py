@@ -41,6 +41,7 @@ WATCH_ROOT_METRICS = frozenset(
     {
         "shmctl_scan_success",
         "shmctl_regions",
+        "shmctl_region_files",
         "shmctl_region_resident_bytes",
         "shmctl_orphan_bytes",
         "shmctl_orphan_engine_bytes",

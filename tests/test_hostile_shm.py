@@ -643,7 +643,7 @@ def test_metrics_into_a_full_textfile_directory_fail_on_one_line_and_leave_no_te
         assert (done.returncode, done.stdout) == (3, "")
         assert done.stderr == (
             f"shmctl: error: {mnt}: cannot write shmctl.prom: No space left on device "
-            "(fix: free space in the textfile directory or pass another --textfile)\n"
+            f"(fix: free space on the filesystem that holds {mnt} (df {mnt}), or pass another --textfile)\n"
         )
         assert os.listdir(mnt) == ["filler"]
 

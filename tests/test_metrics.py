@@ -8,6 +8,7 @@ so a test's files never meet another test's; engine ids carry ``TEST_TAG``.
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvoffload.liveness import lease
 from kvoffload.liveness.reap import reap
 from kvoffload.liveness.scan import ScanReport, Status, scan
+from shmctl.render.fixes import unwritable_fix
 from shmctl.render.metrics import OTHER_ENGINES, Exposition, ReapCounters
 from tests.hostile import small_tmpfs
 from tests.procs import REPO, Child, leave_orphan, region_path, write_file
@@ -79,7 +81,9 @@ def expected_scan(report: ScanReport, *, size: int, free: int, top: int = 10) ->
     }
     for status in Status:
         mine = [e for e in report.entries if e.status is status]
-        expected[series("shmctl_regions", root=root, status=status.value)] = len(mine)
+        # A region is an engine's files under one verdict: a row of scan's table.
+        expected[series("shmctl_regions", root=root, status=status.value)] = len({e.engine_id for e in mine})
+        expected[series("shmctl_region_files", root=root, status=status.value)] = len(mine)
         regular = [e.path for e in mine if e.kind == "file"]
         expected[series("shmctl_region_resident_bytes", root=root, status=status.value)] = resident(regular)
     per_engine: dict[str, int] = {}
@@ -125,6 +129,7 @@ def test_every_value_is_exactly_the_scans_and_the_clocks(tmp_path: Path, engine_
     text = exposition.text().decode()
 
     assert {e.status for e in report.entries} == {Status.LIVE, Status.ORPHANED, Status.SKIPPED}
+    assert len(report.with_status(Status.ORPHANED)) == 3  # two regions: the segment is its base's
     expected = expected_scan(report, size=usage.total, free=usage.free)
     expected |= {series(name, root=str(root)): now for name in TIMES}
     expected[series("shmctl_scan_duration_seconds", root=str(root))] = 0.012345678901234
@@ -291,6 +296,86 @@ def test_metrics_textfile_must_be_a_directory(tmp_path: Path, where: str) -> Non
         f"shmctl: error: {target}: is not a directory (fix: create the textfile collector directory first)\n"
     )
     assert target.is_file() if where == "file" else not target.exists()
+
+
+def test_regions_are_the_rows_of_scans_table_and_files_are_counted_apart(
+    tmp_path: Path, engine_id: str
+) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    for segment in (0, 1, 2):  # one region: a base file and two segments
+        write_file(region_path(root, f"{engine_id}-a", segment))
+    write_file(region_path(root, f"{engine_id}-b"))
+
+    metrics = shmctl("metrics", "--root", str(root), "--grace", "0s")
+    table = shmctl("scan", "--root", str(root), "--grace", "0s", "--no-headers")
+
+    assert (metrics.returncode, metrics.stderr) == (0, "")
+    got = parse(metrics.stdout)
+    regions = {s: got[series("shmctl_regions", root=str(root), status=s.value)] for s in Status}
+    files = {s: got[series("shmctl_region_files", root=str(root), status=s.value)] for s in Status}
+    rows = table.stdout.splitlines()
+    assert [row.split()[:3] for row in rows] == [
+        ["orphaned", f"{engine_id}-a", "3"],
+        ["orphaned", f"{engine_id}-b", "1"],
+    ]
+    assert regions == {**dict.fromkeys(Status, 0), Status.ORPHANED: len(rows)}
+    assert files == {**dict.fromkeys(Status, 0), Status.ORPHANED: 4}
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        (errno.ENOSPC, "free space on the filesystem that holds"),
+        (errno.EDQUOT, "quota"),
+        (errno.EROFS, "read-only mount: remount it read-write"),
+        (errno.EACCES, "give this user write access to"),
+        (errno.EPERM, "another user's file in a sticky directory"),
+        (errno.ENOENT, "was removed while shmctl ran"),
+        (errno.ENOTDIR, "is not a directory"),
+        (errno.EISDIR, "is a directory: remove it"),
+        (errno.ELOOP, "loop of symbolic links"),
+        (errno.EMFILE, "ulimit -n"),
+        (errno.ENFILE, "fs.file-max"),
+        (errno.EFBIG, "ulimit -f"),
+        (errno.EIO, "dmesg"),
+        (errno.ENXIO, "start its reader first"),
+        (errno.EPIPE, "keep it reading"),
+        (errno.EINVAL, None),  # no fix of its own: only the way around it
+    ],
+    ids=lambda v: errno.errorcode.get(v, "") if isinstance(v, int) else "",
+)
+def test_each_errno_gets_its_own_fix_and_only_enospc_says_free_space(
+    tmp_path: Path, code: int, says: str | None
+) -> None:
+    error = OSError(code, os.strerror(code), str(tmp_path / "shmctl.prom"))
+    fix = unwritable_fix(error, tmp_path, instead="pass another --textfile")
+    if says is None:
+        assert fix == "pass another --textfile"
+    else:
+        assert says in fix
+    assert ("free space" in fix) == (code in (errno.ENOSPC, errno.EDQUOT))
+
+
+def test_no_two_errnos_share_a_fix(tmp_path: Path) -> None:
+    codes = [errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EIO]
+    fixes = {unwritable_fix(OSError(c, os.strerror(c)), tmp_path, instead="x") for c in codes}
+    assert len(fixes) == len(codes)
+
+
+@pytest.mark.parametrize(
+    ("directory", "errno_text", "kind"),
+    [("/proc", os.strerror(errno.ENOENT), "proc"), ("/sys", os.strerror(errno.EACCES), "sysfs")],
+)
+def test_a_textfile_directory_on_a_pseudo_filesystem_is_named_as_one(
+    tmp_path: Path, directory: str, errno_text: str, kind: str
+) -> None:
+    result = shmctl("metrics", "--root", str(tmp_path), "--textfile", directory)
+    assert (result.returncode, result.stdout) == (3, "")
+    assert result.stderr == (
+        f"shmctl: error: {directory}: cannot write shmctl.prom: {errno_text} (fix: {directory} is on "
+        f"{kind}, a pseudo-filesystem that takes no files: pass another --textfile on a real one)\n"
+    )
 
 
 @pytest.mark.parametrize("args", [("--help",), ("metrics", "--help")])

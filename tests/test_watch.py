@@ -44,6 +44,7 @@ from kvoffload.liveness.watch import (
     Watcher,
     pod_uid_of,
 )
+from kvoffload.shm import names
 from shmctl.render.watch import WatchMetrics, parse_listen
 from tests.hostile import shmctl
 from tests.kubelet import KubeletNode
@@ -288,7 +289,12 @@ def test_the_agent_removes_exactly_the_dead_regions_of_every_pod_and_its_metrics
             for root, uid in ((a, pod_a), (b, pod_b)):
                 files = [p for p in live if p.parent == root]
                 assert value(got, "shmctl_scan_success", root) == 1
-                assert value(got, "shmctl_regions", root, status="live") == len(files)
+                # A base and its segments are one region.
+                engines = {n.engine_id for p in files if (n := names.parse(p.name)) is not None}
+                assert value(got, "shmctl_regions", root, status="live") == len(engines)
+                if root == b:  # its live region is a base and a segment: one region, two files
+                    assert (len(engines), len(files)) == (1, 2)
+                assert value(got, "shmctl_region_files", root, status="live") == len(files)
                 assert value(got, "shmctl_regions", root, status="orphaned") == 0
                 assert value(got, "shmctl_region_resident_bytes", root, status="live") == resident(*files)
                 assert value(got, "shmctl_orphan_bytes", root) == 0

@@ -204,6 +204,7 @@ def scanned(root: Path, orphaned_bytes: int, *, at: float = 1.7e9) -> RootPass:
         resident_bytes=resident,
         orphaned_engines=((f"engine-of-{root.name}", orphaned_bytes),),
         region_size_max=max(orphaned_bytes, 4096),
+        regions={Status.LIVE: 1, Status.ORPHANED: 1},
     )
     return RootPass(
         root,
@@ -245,9 +246,10 @@ def test_metrics_for_10000_roots_stay_under_a_fixed_number_of_series() -> None:
 
     got = samples(metrics)
 
-    # Per root: success, error, last run, last success, duration, 6 statuses twice, orphan
-    # bytes, its engines and "other", unlinked, uninspected, size, free, region max, 2 counters.
-    per_root = 4 + 1 + 2 * len(Status) + 1 + DEFAULT_TOP_ENGINES + 1 + 5 + 2
+    # Per root: success, error, last run, last success, duration, 6 statuses three times
+    # (regions, files, bytes), orphan bytes, its engines and "other", unlinked, uninspected,
+    # size, free, region max, 2 counters.
+    per_root = 4 + 1 + 3 * len(Status) + 1 + DEFAULT_TOP_ENGINES + 1 + 5 + 2
     assert len(got) <= (DEFAULT_TOP_ROOTS + 1) * per_root + 10
     assert len(metrics.text()) < 1 * MIB
     assert len(metrics.series_roots) == 10_000, "every root is kept, as numbers"
@@ -281,6 +283,7 @@ def test_roots_beyond_top_roots_are_folded_into_other_and_the_sums_still_add_up(
     assert value("shmctl_orphan_engine_bytes", OTHER_ROOTS, engine_id="other") == 4096
     assert sum(v for (name, _), v in got.items() if name == "shmctl_orphan_bytes") == 8192 + 16384 + 4096
     assert value("shmctl_regions", OTHER_ROOTS, status="live") == 2  # small and tiny
+    assert value("shmctl_region_files", OTHER_ROOTS, status="live") == 2
     assert value("shmctl_scan_success", OTHER_ROOTS) == 0, "a folded root failed"
     assert value("shmctl_last_success_timestamp_seconds", OTHER_ROOTS) == 1.7e9 - 60, "the oldest"
     assert not any(name == "shmctl_scan_error_info" for (name, _) in got), "the failed root is folded"

@@ -14,14 +14,20 @@ report of a cancelled run is still the one worth having. The report says which s
 came; the previous handlers are back when ``audit`` returns. Handlers can only be
 installed from the main thread: from any other, the command runs without forwarding.
 
+A command that cannot be started (not found, not executable) is reported, not raised: the
+CI step gets the status a shell would give it and the report and JUnit file it asked for,
+which say why (``command_start_error``). Nothing ran, so nothing is scanned after.
+
 The report decides the exit status a wrapper should give (``exit_status``, and why:
 ``exit_reason``), so that wrapping a command changes its CI step only by the leak check:
 
 1. a signal stopped the audit (it was passed on): 128 + its number, as a shell reports it;
-2. the command was killed by signal N: 128 + N; it exited N != 0: N (a failing test suite
+2. the command could not be started: 127 when it was not found, 126 when it was found but
+   could not be executed (permission, not a program the kernel runs), as a shell reports it;
+3. the command was killed by signal N: 128 + N; it exited N != 0: N (a failing test suite
    stays the failure it was, whether or not it also leaked: the report records both);
-3. the command succeeded but left something: 1;
-4. otherwise 0.
+4. the command succeeded but left something: 1;
+5. otherwise 0.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import StrEnum
+from errno import errorcode
 from pathlib import Path
 from types import FrameType
 
@@ -47,19 +54,56 @@ from kvoffload.liveness.scan import DEFAULT_ROOT, ScanEntry, scan
 #: 1: the first versioned document (``command_signal``, ``exit_status``, ``exit_reason``,
 #: ``started_at`` and ``reap_commands`` came with it; ``command_exit_code`` is null when a
 #: signal killed the command, never negative).
-SCHEMA_VERSION = 1
+#: 2: ``command_start_error`` and the exit reason ``command-not-started`` (126, 127).
+SCHEMA_VERSION = 2
 #: The status of a command that succeeded but left shared memory behind (shmctl's FINDINGS).
 LEAKED_EXIT_STATUS = 1
+#: The statuses a POSIX shell gives a command it cannot run: found but not executable, not found.
+NOT_EXECUTABLE_EXIT_STATUS = 126
+NOT_FOUND_EXIT_STATUS = 127
 
 
 class ExitReason(StrEnum):
     """Why ``exit_status`` is what it is, in the order the rules are tried."""
 
     INTERRUPTED = "interrupted"  # a signal stopped the audit: 128 + its number
+    COMMAND_NOT_STARTED = "command-not-started"  # not found: 127; not executable: 126
     COMMAND_KILLED = "command-killed"  # a signal killed the command: 128 + its number
     COMMAND_FAILED = "command-failed"  # the command's own nonzero exit code
     LEAKED = "leaked"  # the command succeeded and left something: 1
     CLEAN = "clean"  # 0
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailure:
+    """Why the command could not be started: the ``execve`` error, and whether its file exists."""
+
+    #: The errno's name: ``ENOENT`` (not found), ``EACCES``, ``ENOEXEC``, ...
+    errno: str
+    message: str
+    #: Whether the command's file exists (searched on PATH when its name has no ``/``): an
+    #: ENOENT for a file that exists is its ``#!`` interpreter missing, not the command.
+    found: bool
+
+    @classmethod
+    def of(cls, error: OSError, name: str) -> StartFailure:
+        number = error.errno or 0
+        return cls(errorcode.get(number, f"E{number}"), error.strerror or str(error), _exists(name))
+
+    @property
+    def exit_status(self) -> int:
+        """127 for a command that is not there, 126 for one that is but cannot be run (a shell's)."""
+        if self.errno == "ENOENT" and not self.found:
+            return NOT_FOUND_EXIT_STATUS
+        return NOT_EXECUTABLE_EXIT_STATUS
+
+
+def _exists(name: str) -> bool:
+    """Whether ``execvp`` would find a file named ``name``, executable or not."""
+    if os.sep in name:
+        return os.path.lexists(name)
+    directories = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    return any(os.path.lexists(os.path.join(d or ".", name)) for d in directories)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +129,9 @@ class AuditReport:
     exit_reason: ExitReason
     #: The signal (``"SIGTERM"``) that stopped the audit while it ran, if one did.
     interrupted_by: str | None = None
+    #: Why the command could not be started; None when it ran (``command_exit_code`` is then
+    #: None too: there was no process to exit).
+    command_start_error: StartFailure | None = None
 
     @property
     def clean(self) -> bool:
@@ -100,11 +147,22 @@ def signal_name(signum: int) -> str:
 
 
 def exit_for(
-    *, returncode: int, leaked: bool, interrupted_by: signal.Signals | None
+    *,
+    returncode: int | None,
+    leaked: bool,
+    interrupted_by: signal.Signals | None,
+    start_failure: StartFailure | None = None,
 ) -> tuple[int, ExitReason]:
-    """The status to exit with, and why (the rules of the module docstring, in order)."""
+    """The status to exit with, and why (the rules of the module docstring, in order).
+
+    ``returncode`` is Popen's (negative: killed by that signal), None when the command never
+    started (``start_failure`` says why).
+    """
     if interrupted_by is not None:
         return 128 + interrupted_by.value, ExitReason.INTERRUPTED
+    if start_failure is not None or returncode is None:
+        status = start_failure.exit_status if start_failure is not None else NOT_EXECUTABLE_EXIT_STATUS
+        return status, ExitReason.COMMAND_NOT_STARTED
     if returncode < 0:  # Popen's spelling of "killed by signal -returncode"
         return 128 - returncode, ExitReason.COMMAND_KILLED
     if returncode != 0:
@@ -194,12 +252,10 @@ def audit(
         started = time.monotonic()
         try:
             child = subprocess.Popen(list(command))
-        except FileNotFoundError:
-            raise ConfigError(
-                "command", f"{command[0]!r} not found", fix="check the command's name and PATH"
-            ) from None
-        except PermissionError:
-            raise ConfigError("command", f"{command[0]!r} is not executable") from None
+        except OSError as e:  # execve refused it: reported as a shell would, with the report
+            return _not_started(
+                command, root, e, started_at, time.monotonic() - started, len(known), received
+            )
         try:
             for signum in early:
                 child.send_signal(signum)
@@ -237,4 +293,39 @@ def audit(
         exit_status=exit_status,
         exit_reason=exit_reason,
         interrupted_by=interrupted_by.name if interrupted_by is not None else None,
+    )
+
+
+def _not_started(
+    command: Sequence[str],
+    root: Path | str,
+    error: OSError,
+    started_at: float,
+    duration: float,
+    preexisting: int,
+    received: Sequence[signal.Signals],
+) -> AuditReport:
+    """The report of a command ``execve`` refused: nothing ran, so nothing was left."""
+    failure = StartFailure.of(error, command[0])
+    interrupted_by = received[0] if received else None
+    exit_status, exit_reason = exit_for(
+        returncode=None, leaked=False, interrupted_by=interrupted_by, start_failure=failure
+    )
+    return AuditReport(
+        schema_version=SCHEMA_VERSION,
+        root=Path(root),
+        command=tuple(command),
+        started_at=started_at,
+        duration_s=duration,
+        command_exit_code=None,
+        command_signal=None,
+        leaked=(),
+        leaked_deleted=(),
+        leaked_resident_bytes=0,
+        preexisting=preexisting,
+        reap_commands=(),
+        exit_status=exit_status,
+        exit_reason=exit_reason,
+        interrupted_by=interrupted_by.name if interrupted_by is not None else None,
+        command_start_error=failure,
     )

@@ -659,6 +659,9 @@ class RootScan:
     region_size_max: int = 0
     #: Bytes of unlinked region files of the root's filesystem still mapped or open.
     unlinked_mapped_bytes: int = 0
+    #: Regions per verdict, as scan's table counts its rows: an engine's files that share a
+    #: verdict are one region (a base and its segments), under each verdict its files have.
+    regions: Mapping[Status, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1246,6 +1249,7 @@ class _Tally:
 
     def __init__(self, top_engines: int) -> None:
         self.files = dict.fromkeys(Status, 0)
+        self.regions = dict.fromkeys(Status, 0)
         self.resident = dict.fromkeys(Status, 0)
         self.orphaned_size = 0
         self.region_size_max = 0
@@ -1272,6 +1276,8 @@ class _Tally:
             if e.status is Status.ORPHANED:
                 orphaned = (orphaned or 0) + e.resident_bytes
                 self.orphaned_size += e.size_bytes
+        for status in {e.status for e in entries}:
+            self.regions[status] += 1
         self.region_size_max = max(self.region_size_max, size)
         if orphaned is not None:
             self._engines.append((-orphaned, entries[0].engine_id))
@@ -1320,6 +1326,7 @@ class _Tally:
             orphaned_other_bytes=self._other,
             region_size_max=self.region_size_max,
             unlinked_mapped_bytes=sum(d.mapped_bytes for d in stream.deleted),
+            regions=dict(self.regions),
         )
 
 

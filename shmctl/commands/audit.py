@@ -1,16 +1,20 @@
 """``shmctl audit -- CMD ...``: run a command and fail if it left shared memory behind.
 
-The command's stdout and stderr are its own; the report never shares a stream with them:
-``--report FILE`` writes the JSON document, ``--junit FILE`` a JUnit XML file, and a human
-summary goes to stderr after the command's output. ``--json`` is refused (it would mix the
-report into the command's stdout). The output paths are checked before the command runs, and
-the files are written whatever the command did: failed, leaked or stopped by a signal.
+The command's stdout and stderr are its own; the report never shares a stream with them
+unless named (``/dev/stdout``): ``--report FILE`` writes the JSON document, ``--junit FILE``
+a JUnit XML file, and a human summary goes to stderr after the command's output. ``--json``
+is refused (it would mix the report into the command's stdout). The output paths are checked
+before the command runs, and the files are written whatever the command did: failed, leaked,
+stopped by a signal or could not be started. A regular file is replaced atomically; a
+device, a FIFO or an fd by name (``/dev/stdout``) is written in place, never replaced
+(``shmctl.render.audit``).
 
 Exit status (the report records it and why, ``exit_status`` and ``exit_reason``):
 128 + N when signal N (SIGINT 130, SIGTERM 143, SIGHUP 129) stopped the audit (it is passed
-on to the command, and the report of what it left still comes first); the command's own
-status when it failed (exit code N, or 128 + N when killed by signal N); else 1 if it
-leaked, else 0. 2: a usage error, and then nothing was run.
+on to the command, and the report of what it left still comes first); 127 when the command
+was not found and 126 when it could not be executed, as a shell says (one error line, and
+the report says why); the command's own status when it failed (exit code N, or 128 + N when
+killed by signal N); else 1 if it leaked, else 0. 2: a usage error, and then nothing was run.
 """
 
 from __future__ import annotations

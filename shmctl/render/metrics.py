@@ -48,6 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import RootError
 from kvoffload.liveness.scan import ScanReport, Status
+from shmctl.render.fixes import unwritable_fix
 
 if TYPE_CHECKING:
     from kvoffload.liveness.reap import ReapReport
@@ -118,7 +119,9 @@ class RootNumbers:
 
     scanned_at: float
     scan_seconds: float
-    #: Files and resident bytes per verdict, in ``STATUSES`` order.
+    #: Regions (as scan's table has rows), files and resident bytes per verdict, in
+    #: ``STATUSES`` order.
+    regions: tuple[int, ...]
     files: tuple[int, ...]
     resident_bytes: tuple[int, ...]
     orphaned_bytes: int
@@ -140,6 +143,7 @@ class RootNumbers:
         return cls(
             scanned_at=report.scanned_at,
             scan_seconds=scan_seconds,
+            regions=tuple(len({e.engine_id for e in report.with_status(s)}) for s in STATUSES),
             files=tuple(len(report.with_status(s)) for s in STATUSES),
             resident_bytes=tuple(sum(e.resident_bytes for e in report.with_status(s)) for s in STATUSES),
             orphaned_bytes=report.summary.orphaned_resident_bytes,
@@ -169,6 +173,7 @@ class RootNumbers:
         return cls(
             scanned_at=scan.scanned_at,
             scan_seconds=scan_seconds,
+            regions=tuple(scan.regions.get(s, 0) for s in STATUSES),
             files=tuple(count.get(s, 0) for s in STATUSES),
             resident_bytes=tuple(scan.resident_bytes.get(s, 0) for s in STATUSES),
             orphaned_bytes=summary.orphaned_resident_bytes,
@@ -251,6 +256,12 @@ class Exposition:
         self.scan_duration = _gauge("shmctl_scan_duration_seconds", "How long the scan took, in seconds.")
         self.regions = _gauge(
             "shmctl_regions",
+            "Regions in the root by verdict, as scan's table has rows: an engine's base file and "
+            "segments are one region (under each verdict its files have).",
+            "status",
+        )
+        self.region_files = _gauge(
+            "shmctl_region_files",
             "Region files (bases and segments) in the root, by verdict.",
             "status",
         )
@@ -325,6 +336,7 @@ class Exposition:
             self.last_success,
             self.scan_duration,
             self.regions,
+            self.region_files,
             self.region_resident,
             self.orphan,
             self.orphan_engine,
@@ -362,8 +374,11 @@ class Exposition:
         self.last_run.add_metric(root, numbers.scanned_at)
         self.last_success.add_metric(root, numbers.scanned_at)
         self.scan_duration.add_metric(root, numbers.scan_seconds)
-        for status, files, resident in zip(STATUSES, numbers.files, numbers.resident_bytes, strict=True):
-            self.regions.add_metric([*root, status.value], files)
+        for status, regions, files, resident in zip(
+            STATUSES, numbers.regions, numbers.files, numbers.resident_bytes, strict=True
+        ):
+            self.regions.add_metric([*root, status.value], regions)
+            self.region_files.add_metric([*root, status.value], files)
             self.region_resident.add_metric([*root, status.value], resident)
         self.orphan.add_metric(root, numbers.orphaned_bytes)
         for engine_id, resident in rank_engines(
@@ -411,7 +426,8 @@ class Exposition:
             return
         self.scan_duration.add_metric(label, sum(n.scan_seconds for n in scanned))
         for i, status in enumerate(STATUSES):
-            self.regions.add_metric([*label, status.value], sum(n.files[i] for n in scanned))
+            self.regions.add_metric([*label, status.value], sum(n.regions[i] for n in scanned))
+            self.region_files.add_metric([*label, status.value], sum(n.files[i] for n in scanned))
             self.region_resident.add_metric([*label, status.value], sum(n.resident_bytes[i] for n in scanned))
         orphaned = sum(n.orphaned_bytes for n in scanned)
         self.orphan.add_metric(label, orphaned)
@@ -592,10 +608,10 @@ def write_textfile(directory: Path, exposition: Exposition) -> None:
 
 
 def _unwritable(directory: Path, error: OSError) -> RootError:
-    # A full or read-only textfile directory (ENOSPC, EROFS, EACCES) is the operator's to fix;
-    # name the file and the cause, not just the errno.
+    # Name the file and the cause; the fix is the errno's own (a full disk, a read-only
+    # mount, a directory this user may not write, /proc that takes no file from anyone).
     return RootError(
         directory,
         f"cannot write {FILENAME}: {error.strerror or error}",
-        fix="free space in the textfile directory or pass another --textfile",
+        fix=unwritable_fix(error, directory, instead="pass another --textfile"),
     )
