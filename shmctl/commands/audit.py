@@ -34,7 +34,11 @@ def audit(
     root: RootOption = DEFAULT_ROOT,
     report_path: Annotated[
         Path | None,
-        typer.Option("--report", metavar="FILE", help="Write the JSON report to FILE (atomically)."),
+        typer.Option(
+            "--report",
+            metavar="FILE",
+            help="Write the JSON report to FILE: a regular file atomically; a device, FIFO or /dev/stdout in place.",
+        ),
     ] = None,
     junit_path: Annotated[
         Path | None,
