@@ -37,7 +37,8 @@ def audit(
         typer.Option(
             "--report",
             metavar="FILE",
-            help="Write the JSON report to FILE: a regular file atomically; a device, FIFO or /dev/stdout in place.",
+            help="Write the JSON report to FILE: a regular file atomically; a device, FIFO or "
+            "/dev/stdout in place.",
         ),
     ] = None,
     junit_path: Annotated[
