@@ -26,7 +26,7 @@ _UNITS: dict[str, float] = {
 _ORDER = ("w", "d", "h", "m", "s", "ms")
 _TERM = re.compile(r"(?P<value>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?P<unit>ms|[wdhms])")
 _BARE = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
-EXAMPLES = "30s, 5m, 2h, 1d, 1h30m or a number of seconds"
+EXAMPLES = "250ms, 30s, 5m, 2h, 1d, 1h30m or a number of seconds"
 #: A year (a leap one): the longest grace, age, settle or timeout anyone means.
 MAX_DURATION_S = 366 * 86400.0
 _MAX_TEXT = "366d"

@@ -61,3 +61,34 @@ def test_reap_engine_completes_engine_ids_of_the_root(tmp_path: Path) -> None:
         (tmp_path / name).touch()
     assert complete(f"shmctl reap --root {tmp_path} --engine ab", 5) == ["abc-1", "abd-2"]
     assert complete("shmctl reap --engine ab", 3, {"SHMCTL_ROOT": str(tmp_path)}) == ["abc-1", "abd-2"]
+
+
+def _enumerated_options() -> list[tuple[str, str, list[str]]]:
+    """(command, option, its choices) for every option whose metavar lists its values (a|b|c)."""
+    import typer.main
+
+    from shmctl.app import app
+
+    root = typer.main.get_command(app)
+    ctx = root.make_context("shmctl", [], resilient_parsing=True)
+    found = []
+    for name in [None, *root.list_commands(ctx)]:  # type: ignore[attr-defined]
+        command = root if name is None else root.get_command(ctx, name)  # type: ignore[attr-defined]
+        for param in command.params:
+            metavar = getattr(param, "metavar", None) or ""
+            if "|" in metavar and param.opts[0].startswith("--"):
+                choices = [c for c in metavar.split("|") if c.islower()]  # R stands for a number
+                found.append((name or "", param.opts[0], choices))
+    return found
+
+
+@pytest.mark.parametrize(("command", "option", "choices"), _enumerated_options(), ids=str)
+def test_every_enumerated_option_completes_its_values(command: str, option: str, choices: list[str]) -> None:
+    words = " ".join(w for w in ("shmctl", command, option) if w) + " "
+    offered = complete(words, len(words.split()))
+    assert choices
+    assert set(choices) <= set(offered)
+
+
+def test_rank_completes_the_workers_of_the_world_size_typed() -> None:
+    assert complete("shmctl init --world-size 3 --rank ", 5) == ["scheduler", "0", "1", "2"]

@@ -55,7 +55,7 @@ def audit(
         typer.Option(
             "--settle",
             metavar="DURATION",
-            help="Wait this long after the command before looking (0s, 500ms is not a unit: use 1s).",
+            help="Wait this long after the command before looking (0s, 250ms, 2s).",
         ),
     ] = "0s",
 ) -> None:

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from kvoffload.presets import PRESETS
-from shmctl.commands.init import _complete_presets
+from shmctl.commands.init import complete_presets
 from shmctl.commands.scan import DEFAULT_ROOT, JsonOption, RootOption
 
 
@@ -45,7 +45,7 @@ def doctor(
             "--model",
             metavar="PRESET",
             help=f"With --plan: the bytes per block of a well-known model: {' | '.join(PRESETS)}.",
-            autocompletion=_complete_presets,
+            autocompletion=complete_presets,
         ),
     ] = None,
     world_size: Annotated[

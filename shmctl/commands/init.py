@@ -34,7 +34,18 @@ def _complete_modes(incomplete: str) -> list[str]:
     return [mode for mode in modes if mode.startswith(incomplete)]
 
 
-def _complete_presets(incomplete: str) -> list[str]:
+def complete_lifetimes(incomplete: str) -> list[str]:
+    return [name for name in ("kvoffload", "vllm") if name.startswith(incomplete)]
+
+
+def _complete_ranks(ctx: typer.Context, incomplete: str) -> list[str]:
+    """``scheduler`` and the worker ranks of the ``--world-size`` typed so far."""
+    world = ctx.params.get("world_size") or 1
+    ranks = ["scheduler", *(str(r) for r in range(min(int(world), 1024)))]
+    return [rank for rank in ranks if rank.startswith(incomplete)]
+
+
+def complete_presets(incomplete: str) -> list[str]:
     from kvoffload.presets import PRESETS
 
     return [name for name in PRESETS if name.startswith(incomplete)]
@@ -70,7 +81,7 @@ def init(
             "--model",
             metavar="PRESET",
             help=f"Compute --kv-bytes-per-block for a well-known model: {' | '.join(PRESETS)}.",
-            autocompletion=_complete_presets,
+            autocompletion=complete_presets,
         ),
     ] = None,
     gpu_block_size: Annotated[
@@ -92,6 +103,7 @@ def init(
         typer.Option(
             "--lifetime",
             metavar="kvoffload|vllm",
+            autocompletion=complete_lifetimes,
             help="kvoffload: unlinked once everyone mapped it. "
             "vllm: vLLM 0.33's tiering lifetime, kept while the engine lives.",
         ),
@@ -126,7 +138,10 @@ def init(
     rank: Annotated[
         str | None,
         typer.Option(
-            "--rank", metavar="R|scheduler", help="Aim the fault at worker R or the scheduler only."
+            "--rank",
+            metavar="R|scheduler",
+            autocompletion=_complete_ranks,
+            help="Aim the fault at worker R or the scheduler only.",
         ),
     ] = None,
     seed: Annotated[

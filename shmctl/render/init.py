@@ -22,6 +22,7 @@ from shmctl.render import (
     emit_json,
     human_bytes,
     printable,
+    size_text,
     styled,
     warning_line,
     write_table,
@@ -154,7 +155,7 @@ def plan(the_plan: InitPlan, *, json_output: bool) -> None:
                     f"{t.role}" + (f" {t.index}" if t.role == "secondary" else ""),
                     t.type,
                     t.chunks,
-                    _bytes(t.bytes),
+                    size_text(t.bytes, exact=False) if t.bytes is not None else "-",  # one field
                     _options(t.options),
                 )
                 for t in p.tiers
@@ -305,7 +306,7 @@ def init_report(report: InitReport, *, json_output: bool) -> None:
                 s.name,
                 f"{s.started_s:.3f}s",
                 f"{s.seconds:.3f}s",
-                human_bytes(s.bytes) if s.bytes else "-",
+                size_text(s.bytes, exact=False) if s.bytes else "-",  # one field, as in scan
                 _result(s),
                 s.detail,
                 " ".join(s.points) or "-",
