@@ -30,6 +30,8 @@ class TerminalRun:
     #: Its stdout and stderr, where they were pipes ("" where they were the terminal).
     out: str
     err: str
+    #: The bytes the terminal received, undecoded ("\r\n" as the line discipline wrote it).
+    raw: bytes = b""
 
     @property
     def plain(self) -> str:
@@ -90,7 +92,9 @@ def on_a_terminal(
     def decoded(fd: int | None) -> str:
         return "" if fd is None else readers[fd].decode("utf-8", "replace")
 
-    run = TerminalRun(code, decoded(leader).replace("\r\n", "\n"), decoded(out_fd), decoded(err_fd))
+    run = TerminalRun(
+        code, decoded(leader).replace("\r\n", "\n"), decoded(out_fd), decoded(err_fd), readers[leader]
+    )
     for pipe in (proc.stdout, proc.stderr):
         if pipe is not None:
             pipe.close()

@@ -22,15 +22,14 @@ not a regular file is ever replaced:
 File names and arguments are whoever made them chose: every one is passed through
 ``printable`` before it reaches the summary or the XML, which makes it safe for both (XML
 1.0 cannot hold control characters, nor the lone surrogates that stand for undecodable
-bytes). The JSON keeps the exact name: lone surrogates are written as their ``\\udcXX``
-escapes, so ``json.loads`` gives the name back.
+bytes). The JSON keeps the exact name: ``json_text`` writes lone surrogates and controls as
+their ``\\uXXXX`` escapes, so ``json.loads`` gives the name back.
 """
 
 from __future__ import annotations
 
 import datetime
 import fcntl
-import json
 import os
 import re
 import select
@@ -47,7 +46,7 @@ from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.liveness.audit import AuditReport, ExitReason, StartFailure
 from kvoffload.liveness.holders import DeletedMapping, Holder
 from kvoffload.liveness.scan import ScanEntry
-from shmctl.render import printable, to_jsonable
+from shmctl.render import json_text, printable, to_jsonable
 from shmctl.render.fixes import unwritable_fix
 
 PREFIX = "shmctl: audit: "
@@ -78,7 +77,10 @@ def summary_lines(report: AuditReport) -> list[str]:
 
 
 def print_summary(report: AuditReport) -> None:
-    sys.stderr.write("".join(f"{line}\n" for line in summary_lines(report)))
+    # Each name is escaped where it is put in a line; the line is escaped again as it is
+    # written (the escapes stay as they are), so no later field can slip a control through.
+    lines = summary_lines(report)
+    sys.stderr.write("".join(f"{printable(line, escape_backslash=False)}\n" for line in lines))
     sys.stderr.flush()
 
 
@@ -192,9 +194,9 @@ def report_document(report: AuditReport) -> dict[str, object]:
 
 
 def report_json(report: AuditReport) -> bytes:
-    text = json.dumps(report_document(report), indent=2, ensure_ascii=False) + "\n"
-    # Lone surrogates (undecodable bytes of a name) become "\udcXX": their JSON escape.
-    return text.encode("utf-8", "backslashreplace")
+    # json_text: the escaping of every JSON output (a name's undecodable bytes as "\udcXX",
+    # controls as "\uXXXX"), so a report shown with `cat` cannot drive a terminal either.
+    return (json_text(report_document(report), pretty=True) + "\n").encode("utf-8")
 
 
 # --- the JUnit XML ---------------------------------------------------------------------

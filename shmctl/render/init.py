@@ -72,14 +72,10 @@ def _cell(value: object) -> str:
     return printable(str(value), escape_backslash=False)
 
 
-def _fields(text: str) -> str:
-    """Escape control characters field by field: our tabs separate columns, theirs must not."""
-    return "\t".join(printable(field, escape_backslash=False) for field in text.split("\t"))
-
-
 def _write(text: str, style: str | None = None) -> None:
-    # Engine ids and paths may carry control characters: one report line stays one line.
-    sys.stdout.write(styled(_fields(text), style, color=color_enabled()) + "\n")
+    # Engine ids and paths may carry control characters: one report line stays one line, and
+    # a tab in an engine id is an escape like the rest (no line of ours holds a tab).
+    sys.stdout.write(styled(printable(text, escape_backslash=False), style, color=color_enabled()) + "\n")
 
 
 def _line(text: str, style: str | None = None) -> None:
@@ -230,7 +226,8 @@ def progress(*, json_output: bool, starting: str = "") -> Iterator[Callable[[Pro
     bars: dict[str, Any] = {}
     with Progress(
         SpinnerColumn(),
-        TextColumn("{task.description}"),
+        # Not markup: "[bold]" in an engine id is its text, not a style.
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         PopulatedColumn(binary_units=True),
         TimeRemainingColumn(),

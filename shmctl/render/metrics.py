@@ -24,9 +24,16 @@ Values are exact: the client writes every number with ``repr`` (Go's exponent fo
 on, as node_exporter does), so sizes keep every byte below 2**53 and ``time.time()`` keeps
 every digit: ``1.7961079161234567e+09``, never ``:g``'s six significant digits.
 
-Label values are the scan's own text: engine ids and roots come from file names, and the
-client escapes ``\\``, ``"`` and newlines. A name that is not UTF-8 (lone surrogates from
-``os.listdir``) is written with ``\\udcXX`` escapes, as ``scan --json`` writes it.
+Label values are the scan's own text (engine ids and roots come from file names) as
+``label_text`` makes it: what ``printable`` escapes for a terminal is written as that escape
+(``\\x1b``, ``\\u202e``, and ``\\udcXX`` for a byte that is not UTF-8, as ``scan --json``
+writes it); the client then escapes ``\\``, ``"`` and newlines, the only escapes the format
+has. The exposition's own bytes cannot do it: a raw ESC, C1 or bidi control is valid in a label
+value (text format 0.0.4 and OpenMetrics allow any UTF-8 but those three; prometheus-client
+writes it raw) and any other backslash escape is invalid (Go's expfmt parser, node_exporter's,
+rejects the whole file). So the label carries the visible escape, and the exposition is the
+same bytes on a terminal, in a pipe, in the textfile and over HTTP: ``curl :9477/metrics`` or
+``cat shmctl.prom`` in a terminal, a Grafana legend or an alert cannot be driven by a name.
 
 This module imports prometheus_client; only the metrics code paths import this module, so
 ``shmctl --help`` and shell completion never load it.
@@ -48,6 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import RootError
 from kvoffload.liveness.scan import ScanReport, Status
+from shmctl.render import printable
 from shmctl.render.fixes import unwritable_fix
 
 if TYPE_CHECKING:
@@ -497,8 +505,11 @@ class Exposition:
 
 
 def label_text(value: str) -> str:
-    """``value`` as UTF-8-encodable text: lone surrogates (undecodable name bytes) as ``\\udcXX``."""
-    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    """``value`` as a label value: ``printable``'s escapes (``\\x1b``, ``\\u202e``, ``\\udcff`` for
+    an undecodable byte), but newlines, which the client escapes itself and a parser reads back."""
+    if value.isprintable():
+        return value
+    return "\n".join(printable(line, escape_backslash=False) for line in value.split("\n"))
 
 
 def orphan_bytes_by_engine(report: ScanReport, top: int) -> list[tuple[str, int]]:

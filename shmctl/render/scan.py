@@ -154,14 +154,21 @@ def _limit(limit: int | None) -> int:
 
 
 def _stderr_line(text: str, style: str | None = None) -> None:
-    sys.stderr.write(styled(text, style, color=color_enabled(sys.stderr)) + "\n")
+    line = printable(text, escape_backslash=False)
+    sys.stderr.write(styled(line, style, color=color_enabled(sys.stderr)) + "\n")
     sys.stderr.flush()
 
 
 def _summary(text: str, *, headers: bool) -> None:
-    """The closing line on stdout, left out with ``--no-headers`` (rows only)."""
+    """The closing line on stdout, left out with ``--no-headers`` (rows only).
+
+    Escaped as a whole (names in it are escaped already; ``printable`` leaves their escapes
+    as they are): the filters are the operator's words, and may be a name pasted from a
+    listing (``--engine "$(ls ...)"``).
+    """
     if headers:
-        sys.stdout.write(styled(text, "bold", color=color_enabled(sys.stdout)) + "\n")
+        line = printable(text, escape_backslash=False)
+        sys.stdout.write(styled(line, "bold", color=color_enabled(sys.stdout)) + "\n")
 
 
 def scan_report(
