@@ -4,9 +4,13 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# torch is an optional extra of the package; pin the CPU build that pip finds on disk here,
-# so a plain `torch` requirement never pulls a multi-GB CUDA build.
-TORCH  ?= torch==2.13.0
+# torch is an optional extra of the package. The CPU build comes from PyTorch's own index of
+# CPU-only wheels (2.13.0+cpu sorts above PyPI's 2.13.0, a multi-GB CUDA build), consulted as an
+# extra index, so torch's dependencies still come from pip's own configuration. An index that
+# does not answer is left out with a note (pip would retry it on every request), and torch then
+# comes from pip's configuration alone, as it does with `make TORCH_INDEX= ...`.
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 # Where `make install-units` puts the systemd units, and the shmctl their ExecStart runs.
 UNITDIR ?= /etc/systemd/system
@@ -18,7 +22,12 @@ SHELL_SCRIPTS := scripts/*.sh deploy/docker/entrypoint.sh .ci/run
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	@index="$(TORCH_INDEX)"; \
+	if [ -n "$$index" ] && ! $(BIN)/python -m pip index versions torch --isolated --retries 0 --timeout 10 \
+	    --index-url "$$index" >/dev/null 2>&1; then \
+	  echo "make: no torch from $$index (unreachable?); it comes from pip's own index configuration" >&2; index=; \
+	fi; \
+	set -x; $(BIN)/python -m pip install -q $${index:+--extra-index-url "$$index"} "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[dev,torch]'
 	touch $(STAMP)
 
@@ -31,7 +40,7 @@ lint: venv
 
 typecheck: venv
 	$(BIN)/mypy
-	$(BIN)/mypy --strict scripts/gen_manpage.py
+	$(BIN)/mypy --strict scripts/gen_manpage.py scripts/gen_completions.py
 	$(BIN)/mypy --strict compat/vllm_compat.py compat/adapter/kvoffload_vllm_adapter.py
 
 check: lint typecheck
@@ -61,10 +70,11 @@ bench-quick:
 vllm-compat: venv
 	$(BIN)/python compat/vllm_compat.py --work build/vllm-compat
 
+# typer's scripts, and the two files made from them for the places shells search themselves
+# (completions/shmctl for bash-completion, completions/_shmctl for zsh's $fpath); a test fails
+# while the committed files differ from what this writes.
 completions: venv
-	for sh in bash zsh fish; do \
-	  _TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION=1 $(BIN)/shmctl --show-completion $$sh > completions/shmctl.$$sh; \
-	done
+	$(BIN)/python scripts/gen_completions.py -o completions
 
 # The man page is generated from the CLI's own command tree; tests/test_packaging.py fails when
 # the committed page differs from what this writes.

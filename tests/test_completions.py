@@ -1,4 +1,7 @@
-"""Shell completion: the shipped scripts are current, and Tab completes from live data."""
+"""Shell completion: the shipped scripts are current, and Tab completes from live data.
+
+That shells find and load the installed files is tests/test_install_shells.py's.
+"""
 
 from __future__ import annotations
 
@@ -44,6 +47,44 @@ def test_shipped_completion_scripts_are_current(shell: str) -> None:
     ).stdout
     # `python -m shmctl` names itself like the console script would.
     assert fresh == (REPO / "completions" / f"shmctl.{shell}").read_text(), "run `make completions`"
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """completions/ as ``make completions`` writes it now."""
+    out = tmp_path_factory.mktemp("completions")
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gen_completions.py"), "-o", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    return out
+
+
+def test_completions_holds_what_the_generator_writes_and_nothing_else(generated: Path) -> None:
+    assert sorted(p.name for p in (REPO / "completions").iterdir()) == sorted(
+        p.name for p in generated.iterdir()
+    )
+
+
+@pytest.mark.parametrize("name", ["shmctl", "_shmctl", "shmctl.bash", "shmctl.zsh", "shmctl.fish"])
+def test_every_shipped_completion_file_is_current(generated: Path, name: str) -> None:
+    assert (generated / name).read_text() == (REPO / "completions" / name).read_text(), (
+        "run `make completions`"
+    )
+
+
+def test_the_zsh_function_file_calls_typers_completion_function_instead_of_binding_it() -> None:
+    typer_zsh = (REPO / "completions" / "shmctl.zsh").read_text().splitlines()
+    function_file = (REPO / "completions" / "_shmctl").read_text().splitlines()
+    assert typer_zsh[-1] == "compdef _shmctl_completion shmctl"
+    assert function_file[0] == "#compdef shmctl"
+    assert function_file[-1] == '_shmctl_completion "$@"'
+    # typer's function itself, and with it the _SHMCTL_COMPLETE protocol, is unchanged.
+    body = typer_zsh[typer_zsh.index("_shmctl_completion() {") : -1]
+    assert function_file[-1 - len(body) : -1] == body
 
 
 def test_commands_complete() -> None:

@@ -10,6 +10,7 @@ isolated build environment it would download.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.utils import canonicalize_name
 
 from tests.procs import REPO, shm_dir
 
@@ -43,12 +45,10 @@ def source_files() -> list[str]:
     return [name for name in listed.split("\0") if name and (REPO / name).is_file()]
 
 
-@pytest.fixture(scope="session")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """``(wheel, build log)`` for the working tree as it is now."""
+def build_wheel(work: Path) -> tuple[Path, str]:
+    """``(wheel, build log)`` for the working tree as it is now, built under ``work``."""
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs git and a checkout to know which files are the project's")
-    work = tmp_path_factory.mktemp("build")
     tree, dist = work / "src", work / "dist"
     for name in source_files():
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
@@ -77,6 +77,12 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return dist / done.stdout.strip().splitlines()[-1], log
 
 
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """``(wheel, build log)`` for the working tree as it is now."""
+    return build_wheel(tmp_path_factory.mktemp("build"))
+
+
 def wheel_names(wheel: Path) -> set[str]:
     with zipfile.ZipFile(wheel) as z:
         return set(z.namelist())
@@ -103,7 +109,8 @@ def test_the_wheel_carries_license_py_typed_schemas_completions_units_and_man_pa
         "kvoffload/py.typed",
         "shmctl/py.typed",
         f"{data}/data/share/man/man1/shmctl.1",
-        f"{data}/data/share/bash-completion/completions/shmctl.bash",
+        f"{data}/data/share/bash-completion/completions/shmctl",
+        f"{data}/data/share/zsh/site-functions/_shmctl",
         f"{data}/data/share/fish/vendor_completions.d/shmctl.fish",
         f"{data}/data/share/shmctl/install-units.sh",
         *(f"{data}/data/share/shmctl/completions/shmctl.{sh}" for sh in ("bash", "zsh", "fish")),
@@ -114,6 +121,41 @@ def test_the_wheel_carries_license_py_typed_schemas_completions_units_and_man_pa
     schemas = {f"shmctl/schemas/{p.name}" for p in (REPO / "shmctl" / "schemas").glob("*.json")}
     assert schemas, "no JSON Schema in shmctl/schemas"
     assert schemas <= names, sorted(schemas - names)
+
+
+def test_each_shell_finds_one_completion_file_under_the_name_it_looks_up(built: tuple[Path, str]) -> None:
+    names = wheel_names(built[0])
+    found = {
+        directory: {n.rsplit("/", 1)[1] for n in names if f".data/data/share/{directory}/" in n}
+        for directory in ("bash-completion/completions", "zsh/site-functions", "fish/vendor_completions.d")
+    }
+    assert found == {
+        "bash-completion/completions": {"shmctl"},
+        "zsh/site-functions": {"_shmctl"},
+        "fish/vendor_completions.d": {"shmctl.fish"},
+    }
+
+
+def test_the_wheel_declares_classifiers_and_keywords_but_no_licence_classifier(
+    built: tuple[Path, str],
+) -> None:
+    lines = metadata(built[0]).splitlines()
+    classifiers = {line.removeprefix("Classifier: ") for line in lines if line.startswith("Classifier: ")}
+    assert {
+        "Environment :: Console",
+        "Intended Audience :: System Administrators",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+        "Topic :: System :: Systems Administration",
+        "Typing :: Typed",
+    } <= classifiers, sorted(classifiers)
+    assert [c for c in classifiers if c.startswith("Development Status :: ")], sorted(classifiers)
+    # The licence is the License-Expression; setuptools refuses a licence classifier beside one.
+    assert not [c for c in classifiers if c.startswith("License :: ")]
+    keywords = next(line.removeprefix("Keywords: ") for line in lines if line.startswith("Keywords: "))
+    assert {"vllm", "kv-cache", "shared-memory"} <= set(keywords.split(","))
 
 
 def test_the_wheel_declares_an_spdx_license_and_only_the_core_dependencies(built: tuple[Path, str]) -> None:
@@ -233,6 +275,156 @@ def test_without_torch_a_real_init_fails_with_one_line_naming_the_torch_extra(
     assert "shmctl[torch]" in lines[0]
     assert done.stdout == ""
     assert list(core_root.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (("scan",), {}),
+        ((), {"_SHMCTL_COMPLETE": "complete_bash", "COMP_WORDS": "shmctl scan --", "COMP_CWORD": "2"}),
+    ],
+    ids=["scan", "tab"],
+)
+def test_the_core_install_parses_and_completes_without_importing_pydantic(
+    core_venv: Path, core_root: Path, args: tuple[str, ...], env: dict[str, str]
+) -> None:
+    # typer 0.29 builds a pydantic TypeAdapter for every option it parses: ~0.2 s more per Tab
+    # (docs/install.md), which is why pyproject.toml keeps typer below 0.29.
+    done = subprocess.run(
+        [str(core_venv / "bin" / "shmctl"), *args],
+        env={**os.environ, **env, "SHMCTL_ROOT": str(core_root), "PYTHONPROFILEIMPORTTIME": "1"},
+        cwd=core_venv,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line}
+    assert "shmctl.app" in imported, done.stderr[-2000:]
+    assert not {m for m in imported if m.split(".")[0] in {"pydantic", "pydantic_core"}}
+
+
+# ------------------------------------------------------------- beside vLLM, one environment
+
+PYPI = "https://pypi.org/simple"
+#: vLLM 0.33.0's own requirements (its wheel's Requires-Dist, verbatim) through which pip picks a
+#: package shmctl installs too: typer, rich and theirs (fastapi[standard] through fastapi-cli
+#: and fastapi-cloud-cli, transformers, fastsafetensors), prometheus-client, annotated-doc.
+#: Found by resolving all of vllm==0.33.0 (`pip install --dry-run --report`: 198 packages, of
+#: which typer 0.29.2 alone changed when shmctl was added). The rest of the list reaches none of
+#: them; it is left out because PyPI serves no PEP 658 metadata for these wheels, so resolving
+#: it downloads every wheel, some 5 GB (torch, CUDA libraries), for nothing shmctl shares.
+VLLM_0_33_REQUIREMENTS_SHARED_WITH_SHMCTL = (
+    "transformers<5.21.0,>=5.16.1",
+    "fastapi[standard]<0.137.0,>=0.133.0",
+    "prometheus_client>=0.18.0",
+    "prometheus-fastapi-instrumentator>=8.0.0",
+    "model-hosting-container-standards<1.0.0,>=0.1.14",
+    "fastsafetensors>=0.3.3",
+)
+
+
+def pypi_pip_env() -> dict[str, str]:
+    """The environment for a pip that asks PyPI alone: no pip.conf (its local indexes,
+    find-links and constraints), but the certificate and proxy settings it is given."""
+    keep = {"PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in keep}
+    return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+@pytest.fixture(scope="module")
+def beside_vllm(
+    built: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, str], dict[str, str]]:
+    """``(vLLM alone, vLLM and shmctl)``: name -> version, as pip resolves them from PyPI."""
+    probe = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "typer", "--index-url", PYPI, "--retries", "0"],
+        env=pypi_pip_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"PyPI does not answer: {(probe.stderr.strip().splitlines() or ['?'])[-1]}")
+    reports = tmp_path_factory.mktemp("beside-vllm")
+    runs = {}
+    for name, extra in (("alone", ()), ("together", (str(built[0]),))):
+        report = reports / f"{name}.json"
+        command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
+        command += ["--only-binary", ":all:", "--index-url", PYPI, "--report", str(report)]
+        # The two resolutions run at once: each is mostly waiting on PyPI.
+        process = subprocess.Popen(
+            [*command, *VLLM_0_33_REQUIREMENTS_SHARED_WITH_SHMCTL, *extra],
+            env=pypi_pip_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        runs[name] = (process, report)
+    try:
+        finished = [
+            (process.communicate(timeout=300)[0], process, report) for process, report in runs.values()
+        ]
+    finally:
+        for process, _ in runs.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    resolved: list[dict[str, str]] = []
+    for output, process, report in finished:
+        assert process.returncode == 0, output
+        installs = json.loads(report.read_text())["install"]
+        resolved.append(
+            {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
+        )
+    return resolved[0], resolved[1]
+
+
+@pytest.mark.timeout(600)
+def test_installed_into_vllm_0_33s_environment_shmctl_conflicts_with_nothing_and_moves_only_typer(
+    beside_vllm: tuple[dict[str, str], dict[str, str]],
+) -> None:
+    # typer is held below 0.29 (0.29.2 -> 0.28.x), which every package of vLLM's that needs typer
+    # accepts; docs/install.md says to install shmctl apart all the same (pipx, its own venv, the
+    # images), so vLLM's environment keeps the typer its own resolution picks.
+    alone, together = beside_vllm
+    assert "typer" in alone, "vLLM's requirements no longer bring typer: read docs/install.md again"
+    moved = {
+        name: (version, together.get(name))
+        for name, version in alone.items()
+        if together.get(name) != version
+    }
+    assert set(moved) <= {"typer"}, moved
+    assert together["shmctl"]
+
+
+# ------------------------------------------------------------------------- torch, Makefile
+
+
+@pytest.mark.parametrize(
+    ("overrides", "index"),
+    [((), "https://download.pytorch.org/whl/cpu"), (("TORCH_INDEX=",), "")],
+    ids=["default", "TORCH_INDEX="],
+)
+def test_make_installs_torch_with_pytorchs_cpu_index_unless_told_not_to(
+    overrides: tuple[str, ...], index: str
+) -> None:
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    # -n prints the venv's recipe without running it; -B as if the venv were out of date.
+    done = subprocess.run(
+        ["make", "-n", "-B", *overrides, ".venv/.installed"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert f'index="{index}"' in done.stdout, done.stdout
+    assert '${index:+--extra-index-url "$index"} "torch==2.13.0"' in done.stdout, done.stdout
 
 
 # --------------------------------------------------------------------------- man page
