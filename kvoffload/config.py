@@ -22,6 +22,7 @@ no arithmetic on it later can overflow a float, a C long or a sleep.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
@@ -549,7 +550,17 @@ def read_kv_transfer_config(path: Path | str) -> Mapping[str, Any]:
     return data
 
 
-_READ_FIX = "give a file this user can read"
+def _read_fix(code: int | None) -> str:
+    """Permission is one reason a file cannot be read; a loop of links or a failing disk are others."""
+    if code in (errno.EACCES, errno.EPERM):
+        return "give a file this user can read"
+    if code == errno.ELOOP:
+        return "the path is a loop of symbolic links: give the file's real path"
+    if code == errno.EIO:
+        return "the storage under the file failed (see dmesg): give a copy on a working disk"
+    if code == errno.ENOTDIR:
+        return "a component of the path is a file, not a directory: check the path"
+    return "give a regular file this user can read"
 
 
 def _read_config_text(path: Path) -> str:
@@ -561,7 +572,9 @@ def _read_config_text(path: Path) -> str:
     except FileNotFoundError:
         raise ConfigError("--config", f"{path} does not exist", fix="check the file's name") from None
     except OSError as e:
-        raise ConfigError("--config", f"cannot read {path}: {e.strerror or e}", fix=_READ_FIX) from None
+        raise ConfigError(
+            "--config", f"cannot read {path}: {e.strerror or e}", fix=_read_fix(e.errno)
+        ) from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -578,7 +591,9 @@ def _read_config_text(path: Path) -> str:
                 break
             data += chunk
     except OSError as e:
-        raise ConfigError("--config", f"cannot read {path}: {e.strerror or e}", fix=_READ_FIX) from None
+        raise ConfigError(
+            "--config", f"cannot read {path}: {e.strerror or e}", fix=_read_fix(e.errno)
+        ) from None
     finally:
         os.close(fd)
     if len(data) > MAX_CONFIG_BYTES:

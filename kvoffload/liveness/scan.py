@@ -629,7 +629,9 @@ def _list_names(root: Path, dir_fd: int) -> tuple[list[str], list[str]]:
     try:
         entry_names = os.listdir(dir_fd)
     except OSError as e:
-        raise RootError(root, f"cannot list: {e.strerror}", fix="run as root or the regions' owner") from None
+        denied = e.errno in (errno.EACCES, errno.EPERM)
+        fix = "run as root or the regions' owner" if denied else "check the root's filesystem (dmesg)"
+        raise RootError(root, f"cannot list: {e.strerror}", fix=fix) from None
     keyed = []
     park_names = []
     for name in entry_names:

@@ -296,9 +296,7 @@ def serving(listen: str, metrics: WatchMetrics) -> Iterator[tuple[str, int]]:
                 fix="pick another port, or stop what listens there",
             ) from None
         raise ConfigError(
-            "--listen",
-            f"{listen}: cannot listen ({e.strerror or e})",
-            fix=f"use a local address, e.g. {LISTEN_EXAMPLE}",
+            "--listen", f"{listen}: cannot listen ({e.strerror or e})", fix=_listen_fix(e.errno)
         ) from None
     server = http.Server(
         sock,
@@ -308,3 +306,14 @@ def serving(listen: str, metrics: WatchMetrics) -> Iterator[tuple[str, int]]:
     )
     with http.serving(server):
         yield server.address
+
+
+def _listen_fix(code: int | None) -> str:
+    """The fix for the errno bind() gave: a port below 1024 is a privilege, not an address."""
+    if code in (errno.EACCES, errno.EPERM):
+        return "a port below 1024 needs CAP_NET_BIND_SERVICE (or root): pick a port from 1024 up, e.g. :9477"
+    if code == errno.EADDRNOTAVAIL:
+        return f"that address is not this host's: use one of its addresses, e.g. {LISTEN_EXAMPLE}"
+    if code == errno.EAFNOSUPPORT:
+        return "this host has no such address family (IPv6 off?): use an IPv4 address, e.g. 0.0.0.0:9477"
+    return f"use a local address and a free port, e.g. {LISTEN_EXAMPLE}"

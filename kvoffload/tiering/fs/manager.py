@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno as errno_
 import functools
 import json
 import logging
@@ -192,7 +193,7 @@ class FileSystemTierManager(SecondaryTierManager):
                 path,
                 f"cannot create the fs tier's namespace: {e.strerror or e}",
                 errno=e.errno,
-                fix="point root_dir at a writable directory",
+                fix=_namespace_fix(e.errno, os.path.dirname(path)),
             ) from e
 
     # ----------------------------------------------------------------- lookups
@@ -302,3 +303,19 @@ class FileSystemTierManager(SecondaryTierManager):
             log.exception("secondary tier %r: stopping the lookup worker failed", self.tier_type)
         finally:
             self._pool.shutdown(wait=True)
+
+
+def _namespace_fix(code: int | None, directory: str) -> str:
+    """The fix for the errno that refused the tier's namespace file (a full disk is not a
+    permission problem, and a read-only mount is neither)."""
+    if code in (errno_.ENOSPC, errno_.EDQUOT):
+        return f"free space on the filesystem of {directory} (df {directory}), or point root_dir elsewhere"
+    if code == errno_.EROFS:
+        return f"{directory} is on a read-only mount: point root_dir at a writable filesystem"
+    if code in (errno_.EACCES, errno_.EPERM):
+        return f"give this user write access to {directory}, or point root_dir at a directory it owns"
+    if code in (errno_.ENOTDIR, errno_.EEXIST):
+        return f"a component of {directory} is a file, not a directory: point root_dir elsewhere"
+    if code == errno_.EIO:
+        return f"the storage under {directory} failed (see dmesg): point root_dir at another device"
+    return "point root_dir at a writable directory on a working filesystem"
