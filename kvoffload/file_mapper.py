@@ -86,9 +86,8 @@ class FileMapper:
         replicated_layout: bool = False,
         canonical_format: str | None = None,
     ) -> None:
-        if not root_dir:
-            # An empty root would put the namespace at the filesystem root.
-            raise ConfigError("root_dir", "must be a non-empty path", fix="point it at a writable directory")
+        # An empty root_dir is vLLM's: its p2p and object tiers name a run's config and keys
+        # with one and never write there. The tiers that do write refuse it themselves.
         if parallel_agnostic:
             tp_size = pp_size = pcp_size = dcp_size = 1
             rank = 0

@@ -152,6 +152,7 @@ def test_canonical_layout_without_a_kv_cache_layout_is_refused() -> None:
         mapper(canonical_layout=True, kv_cache_layout=None)
 
 
-def test_an_empty_root_is_refused_rather_than_writing_at_the_filesystem_root() -> None:
-    with pytest.raises(ConfigError, match="root_dir"):
-        mapper(root_dir="")
+def test_an_empty_root_names_a_run_without_a_directory_as_vllms_p2p_and_object_tiers_do() -> None:
+    named = mapper(root_dir="")
+    assert named.base_path == "/" + mapper(root_dir="root").base_path.removeprefix("root/")
+    assert named.get_run_config() == mapper(root_dir="root").get_run_config()

@@ -317,6 +317,15 @@ def test_a_job_enqueued_after_shutdown_is_reported_as_failed() -> None:
     assert [(job_id, ok) for job_id, ok, _ in pool.get_finished()] == [(9, False)]
 
 
+def test_an_empty_root_dir_is_refused_rather_than_writing_at_the_filesystem_root(
+    make_tier: Maker,
+) -> None:
+    before = threading.active_count()
+    with pytest.raises(ConfigError, match="root_dir: must be a non-empty path"):
+        make_tier(root_dir="")
+    assert threading.active_count() == before
+
+
 def test_a_pool_without_threads_is_refused() -> None:
     with pytest.raises(ConfigError, match="n_read_threads") as caught:
         DualQueueThreadPool(0, 0)

@@ -340,7 +340,18 @@ def test_cascade_job_carries_numpy_chunk_ids_and_the_request(region: FakeRegion)
         assert not job.is_promotion
         assert job.req_context is CTX
         assert list(job.chunk_ids) == list(chunks)
-        assert job.chunk_ids.dtype.kind == "i"
+        assert str(job.chunk_ids.dtype) == "int32"  # vLLM's (NIXL's index type; its obj tier asserts it)
+        # vLLM's name for the jobs in flight, which its tier tests read.
+        assert manager._transfer_jobs == {job.job_id: manager._jobs[job.job_id]}
+
+
+def test_promotion_job_carries_int32_chunk_ids_as_vllms_does(region: FakeRegion) -> None:
+    with build(region, lambda v: ManualTier(v, holds=keys(7))) as manager:
+        manager.lookup(key(7), CTX)
+        end_step(manager)
+        [job] = tier(manager, 0).jobs
+        assert job.is_promotion
+        assert str(job.chunk_ids.dtype) == "int32"
 
 
 def test_cascade_reported_failed_unpins_the_primary_chunk(region: FakeRegion) -> None:

@@ -184,6 +184,8 @@ class _Child:
     hits: dict[str, int] = field(default_factory=dict)
     steps: tuple[CleanupStep, ...] = ()
     held: tuple[HeldHandle, ...] = ()
+    #: Threads and sockets it still had after its release (see ``report.left_running``).
+    left_running: tuple[str, ...] = ()
     roundtrip_done: bool = False
     eof: bool = False
 
@@ -427,6 +429,7 @@ class _BringUp:
             child.steps = tuple(dataclasses.replace(s, at_s=s.at_s - self.wall0) for s in message[1])
             child.hits = dict(message[2])
             child.held = tuple(message[3])
+            child.left_running = tuple(message[4])
 
     def _exited(self, child: _Child) -> None:
         child.process.join(_JOIN_S)
@@ -585,7 +588,7 @@ class _BringUp:
             if residue:
                 return Verdict.ORPHANED
             return Verdict.CONTRACT_HELD if self.crash.injected else Verdict.FAILED
-        if residue:
+        if residue or any(c.left_running for c in self.children):
             return Verdict.LEAKED
         if primary is not None and not primary.injected:
             return Verdict.FAILED

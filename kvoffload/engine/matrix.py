@@ -169,7 +169,7 @@ def _cell(stage: str, mode: FailMode, report: InitReport, vouched: frozenset[int
         engine_id=report.engine_id,
         verdict=report.verdict,
         passed=report.verdict in _PASSING,
-        leaked=bool(report.residue),
+        leaked=bool(report.residue) or report.verdict == Verdict.LEAKED,
         fired=bool(report.fault and report.fault.fired),
         error=report.error,
         residue=report.residue,

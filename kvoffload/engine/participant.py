@@ -9,9 +9,14 @@ marker hit counts (see ``faultplan``).
 
 Protocol over the pipe, child -> parent: ``("stage", StageResult)``, ``("progress",
 stage, done, total)``, ``("ready", detail)`` or ``("failed",)`` once init ends, then
-``("roundtrip-done",)`` and finally ``("released", steps, hits)``. Parent -> child:
+``("roundtrip-done",)`` and finally ``("released", steps, hits, held, left_running)``. Parent -> child:
 ``("roundtrip",)`` and ``("shutdown",)``. A closed pipe (the parent died) means
 shutdown: a participant never outlives its orchestrator holding a region.
+
+After its release a participant also checks that the threads and sockets it started since
+it began have gone (a secondary tier's control socket and pool threads are no file in the
+root); what is still there a moment later is reported as a failed release step and makes
+the bring-up ``leaked``.
 
 SIGINT is ignored: Ctrl-C reaches the whole process group, and the parent alone decides
 how to tear down (gracefully, in vLLM's order).
@@ -32,7 +37,15 @@ from typing import Any, TypeVar
 from kvoffload import faults
 from kvoffload.config import OffloadingSettings
 from kvoffload.engine.plan import SCHEDULER, WORKER
-from kvoffload.engine.report import CleanupStep, ErrorInfo, LogLine, StageResult, held_handles
+from kvoffload.engine.report import (
+    CleanupStep,
+    ErrorInfo,
+    Footprint,
+    LogLine,
+    StageResult,
+    held_handles,
+    left_running,
+)
 from kvoffload.errors import KvOffloadError
 from kvoffload.release import Journal, ReleaseStep
 
@@ -97,6 +110,8 @@ def _forward_logs(child: _Participant) -> None:
 
 class _Participant:
     def __init__(self, conn: Connection, args: ParticipantArgs, barrier: Any | None) -> None:
+        # Before anything of the bring-up exists: what is new after the release was left running.
+        self.footprint = Footprint.now()
         self.conn = conn
         self.args = args
         self.barrier = barrier
@@ -321,9 +336,13 @@ class _Participant:
                 else:
                     self.journal.steps.insert(at, ReleaseStep(what, True, None, start))
         self.kv_caches.clear()
+        left = left_running(self.footprint)
+        if left:
+            what, error = "stop every thread and socket started since init", "still open: " + ", ".join(left)
+            self.journal.steps.append(ReleaseStep(what, False, error, time.time()))
         steps = tuple(CleanupStep(self.args.name, s.what, s.ok, s.error, s.at) for s in self.journal.steps)
         held = tuple(held_handles(self.args.name, self.args.config.engine_id))
-        self.send("released", steps, faults.hits(), held)
+        self.send("released", steps, faults.hits(), held, left)
 
 
 class _Skipped(Exception):

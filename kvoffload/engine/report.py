@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -28,7 +30,8 @@ class Verdict(StrEnum):
     OK = "ok"  # no fault asked; up and down; nothing left
     CONTRACT_HELD = "contract-held"  # the injected fault fired; nothing left
     NOT_FIRED = "not-fired"  # a fault was asked but never fired; nothing left
-    LEAKED = "leaked"  # files left behind after a graceful or unwound run
+    LEAKED = "leaked"  # files left behind after a graceful or unwound run, or threads/sockets
+    #                    a participant still ran after its release
     ORPHANED = "orphaned"  # a crash left files behind: orphans until reaped
     FAILED = "failed"  # failed for a reason that was not injected; nothing left
 
@@ -281,6 +284,74 @@ def held_handles(participant: str, engine_id: str, proc_self: Path = Path("/proc
                     found.append(HeldHandle(participant, "map", f"{fields[0]} {fields[5].strip()}"))
     except OSError:
         pass
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """This process's Python threads and socket fds, to tell what a bring-up left running.
+
+    A tier's control plane binds sockets and its data plane runs threads (vLLM's p2p tier:
+    a ZMQ router and a NIXL registration pool; its object tier: a lookup thread). Neither
+    is a file in the root, so the root's residue check cannot see them: a participant takes
+    its footprint before init and compares after its release (``left_running``).
+    """
+
+    threads: frozenset[threading.Thread]
+    sockets: frozenset[str]  # "socket:[inode]", one per fd
+
+    @classmethod
+    def now(cls, proc_self: Path = Path("/proc/self")) -> Footprint:
+        return cls(frozenset(threading.enumerate()), frozenset(_socket_fds(proc_self)))
+
+
+#: How long a thread or socket may take to go after the release returned (a thread told to
+#: stop may still be on its way out), before it counts as left running.
+LEFT_RUNNING_GRACE_S = 1.0
+
+
+def left_running(
+    before: Footprint, *, grace_s: float = LEFT_RUNNING_GRACE_S, proc_self: Path = Path("/proc/self")
+) -> tuple[str, ...]:
+    """Threads and sockets this process has now and did not have at ``before``, one line each.
+
+    Waits up to ``grace_s`` for them to go; empty when nothing is left (and then at once).
+    """
+    deadline = time.monotonic() + grace_s
+    while True:
+        now = Footprint.now(proc_self)
+        threads = [t for t in now.threads - before.threads if t.is_alive()]
+        sockets = sorted(now.sockets - before.sockets)
+        left = time.monotonic() - deadline
+        if not (threads or sockets) or left >= 0:
+            break
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if not threads:
+            time.sleep(min(0.05, -left))
+    return (
+        *(f"thread {t.name!r}{' (daemon)' if t.daemon else ''}" for t in sorted(threads, key=_name)),
+        *(f"fd {s}" for s in sockets),
+    )
+
+
+def _name(thread: threading.Thread) -> str:
+    return thread.name
+
+
+def _socket_fds(proc_self: Path) -> list[str]:
+    found: list[str] = []
+    try:
+        fds = os.listdir(proc_self / "fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(proc_self / "fd" / fd)
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.append(target)
     return found
 
 

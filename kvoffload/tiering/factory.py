@@ -1,7 +1,8 @@
 """``SecondaryTierFactory``: builds secondary tiers from their ``secondary_tiers`` entries.
 
 An entry is a JSON object: ``type`` picks the class, either a registered name
-(``example``, ``fs``, or one added with ``register_tier``) or, with ``module_path``, a
+(``example``, ``fs``; ``p2p`` and ``obj``, vLLM's own code hosted, see ``tiering/hosted``;
+or one added with ``register_tier``) or, with ``module_path``, a
 class of that name in that module, so an out-of-tree tier needs no registration at all.
 ``backpressure`` (optional) picks a detector: ``{"backpressure_cls": ..., "policy_cls":
 ..., <detector options>}``, short class names meaning those of ``tiering/backpressure``.
@@ -238,3 +239,7 @@ SecondaryTierFactory.register_tier(
     "example", "kvoffload.tiering.example.manager", "ExampleSecondaryTierManager"
 )
 SecondaryTierFactory.register_tier("fs", "kvoffload.tiering.fs.manager", "FileSystemTierManager")
+# vLLM's own tier code, hosted on kvoffload's base (kvoffload.tiering.hosted): they need vLLM
+# installed, which the factory says where such a tier is configured, and nowhere else.
+SecondaryTierFactory.register_tier("p2p", "kvoffload.tiering.p2p.manager", "P2PSecondaryTierManager")
+SecondaryTierFactory.register_tier("obj", "kvoffload.tiering.obj.manager", "ObjectStoreSecondaryTierManager")

@@ -110,11 +110,12 @@ _TIER_POLL_JOIN_TIMEOUT_S = 5.0
 _NO_REQUEST = ReqContext(req_id="")
 
 
-def _chunk_array(chunk_ids: Iterable[int], dtype: str) -> Any:
-    # Tiers get numpy arrays, as in vLLM; numpy is imported only when a job is built.
+def _chunk_array(chunk_ids: Iterable[int]) -> Any:
+    # Tiers get int32 numpy arrays, as in vLLM (its CPU specs hold int32 ids, and NIXL takes
+    # int32 indices: vLLM's object tier asserts it); numpy is imported only when a job is built.
     import numpy as np
 
-    return np.asarray(list(chunk_ids), dtype=dtype)
+    return np.asarray(list(chunk_ids), dtype=np.int32)
 
 
 class KVMemoryRegion(Protocol):
@@ -400,6 +401,11 @@ class TieringOffloadingManager(OffloadingManager):
 
     # ----------------------------------------------------------------- tier jobs
 
+    @property
+    def _transfer_jobs(self) -> dict[JobId, JobMetadata]:
+        """The jobs in flight, under vLLM's name for them (its tier tests read it)."""
+        return self._jobs
+
     def _next_job_id(self) -> JobId:
         job_id = self._job_id_counter
         self._job_id_counter += 1
@@ -552,7 +558,7 @@ class TieringOffloadingManager(OffloadingManager):
         job = TransferJob(
             job_id=self._next_job_id(),
             keys=keys,
-            chunk_ids=_chunk_array(spec.chunk_ids, "int64"),
+            chunk_ids=_chunk_array(spec.chunk_ids),
             is_promotion=False,
             req_context=req_context,
         )
@@ -651,7 +657,7 @@ class TieringOffloadingManager(OffloadingManager):
                 job = TransferJob(
                     job_id=self._next_job_id(),
                     keys=entry.keys,
-                    chunk_ids=_chunk_array(entry.chunk_ids, "int32"),
+                    chunk_ids=_chunk_array(entry.chunk_ids),
                     is_promotion=True,
                     req_context=entry.req_context,
                 )

@@ -122,6 +122,10 @@ class FileSystemTierManager(SecondaryTierManager):
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
+        if not root_dir:
+            # Checked here, not in FileMapper: vLLM's p2p and object tiers map names with an
+            # empty root and never write; this tier would put its namespace at "/".
+            raise ConfigError("root_dir", "must be a non-empty path", fix="point it at a writable directory")
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = _locality(locality)
         self.events: list[OffloadingEvent] | None = None

@@ -1,0 +1,370 @@
+"""Hosted tiers (vLLM's p2p and object tiers) and the cleanup contract for tiers that own
+threads and sockets.
+
+vLLM's p2p and object tiers run on kvoffload's tiering base as vLLM's own code, hosted
+(``kvoffload.tiering.hosted``). This file specifies:
+
+* the hosting itself, on a small stand-in vLLM tree each test writes: a hosted module is
+  vLLM's file under kvoffload's name, its kv_offload imports are kvoffload's, the factory
+  builds it by its registered type, and vLLM's tree is only read; without vLLM the
+  packages and the factory say what is missing;
+* PR #51227's cleanup contract for a ``module_path`` tier that binds a socket and runs a
+  thread (``tests/socket_tier.py``): at every init and cleanup point of the plan, in this
+  process and in real bring-ups and a fault matrix, nothing is left: no file, no thread,
+  no socket;
+* the same contract for vLLM's real p2p and object tiers, where vLLM is importable (NIXL
+  stood in for, as vLLM's own tests do); skipped with the reason where it is not
+  (kvoffload's own venv has no vLLM).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import socket
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+from unittest.mock import MagicMock, patch
+
+import pytest
+
+import kvoffload.tiering
+from kvoffload import faults
+from kvoffload.config import PAGESIZE, OffloadingSettings
+from kvoffload.engine import Verdict, bring_up, run_matrix
+from kvoffload.engine.plan import plan_stages
+from kvoffload.engine.report import Footprint, left_running
+from kvoffload.errors import InjectedFault
+from kvoffload.tiering.base import SecondaryTierManager
+from kvoffload.tiering.factory import SecondaryTierFactory, TierModuleNotFoundError
+from kvoffload.tiering.hosted import HOSTED, HostedTierFinder, is_hosted
+from kvoffload.tiering.spec import TieringOffloadingSpec
+from tests import socket_tier
+
+torch = pytest.importorskip("torch")
+
+TIERING = "TieringOffloadingSpec"
+KV_BYTES_PER_BLOCK = PAGESIZE // 2
+SOCKET_TIER = {"type": "SocketTier", "module_path": "tests.socket_tier"}
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def make_config(
+    engine_id: str, root: Path, tiers: list[dict[str, Any]], *, world_size: int = 1
+) -> OffloadingSettings:
+    extra = {"spec_name": TIERING, "cpu_bytes_to_use": 8 * PAGESIZE, "blocks_per_chunk": 2}
+    return OffloadingSettings.from_kv_transfer_config(
+        json.dumps(
+            {"engine_id": engine_id, "kv_connector_extra_config": {**extra, "secondary_tiers": tiers}}
+        ),
+        worker_kv_bytes_per_block=KV_BYTES_PER_BLOCK,
+        world_size=world_size,
+        root=root,
+    )
+
+
+def kv_caches() -> list[Any]:
+    return [torch.zeros((16, KV_BYTES_PER_BLOCK), dtype=torch.int8)]
+
+
+@contextmanager
+def engine(config: OffloadingSettings) -> Iterator[dict[str, Any]]:
+    """A worker then the scheduler, in vLLM's order (``up()``); everything built goes at the end."""
+    built: dict[str, Any] = {}
+
+    def up() -> None:
+        built["worker"] = TieringOffloadingSpec.from_settings(config.for_rank(0)).create_worker(kv_caches())
+        built["manager"] = TieringOffloadingSpec.from_settings(config).get_manager()
+
+    built["up"] = up
+    try:
+        yield built
+    finally:
+        faults.configure(None)
+        if "manager" in built:
+            built["manager"].shutdown()
+        if "worker" in built:
+            built["worker"].shutdown()
+
+
+@pytest.fixture
+def footprint() -> Footprint:
+    """This process's threads and sockets before the test built anything."""
+    return Footprint.now()
+
+
+# ----------------------------------------------------------------- hosting, on a stand-in vLLM
+
+_STAND_IN_MANAGER = '''
+    """Stands in for vLLM's p2p manager: kv_offload names, a relative import, a vLLM-only one."""
+    from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
+    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+
+    from .wire import PROTOCOL
+    from vllm.version_stub import VLLM_ONLY
+
+
+    class P2PSecondaryTierManager(ExampleSecondaryTierManager):
+        protocol = PROTOCOL
+        vllm_only = VLLM_ONLY
+'''
+
+
+def _forget_hosted() -> None:
+    for name in [n for n in sys.modules if is_hosted(n) or n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]
+    for package in HOSTED:
+        if hasattr(kvoffload.tiering, package.rsplit(".", 1)[-1]):
+            delattr(kvoffload.tiering, package.rsplit(".", 1)[-1])
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, HostedTierFinder)]
+
+
+@pytest.fixture
+def stand_in_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A minimal ``vllm`` tree first on sys.path: a p2p package with a manager, and one module
+    outside kv_offload. Every hosted module is forgotten afterwards."""
+    if "vllm" in sys.modules:
+        pytest.skip("the real vLLM is imported in this process; a stand-in cannot replace it")
+    package = tmp_path / "vllm"
+    p2p = package / "v1" / "kv_offload" / "tiering" / "p2p"
+    p2p.mkdir(parents=True)
+    for folder in (package, package / "v1", package / "v1" / "kv_offload", p2p.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "version_stub.py").write_text("VLLM_ONLY = 'from vllm itself'\n")
+    (p2p / "__init__.py").write_text("FROM_VLLMS_INIT = True\n")
+    (p2p / "wire.py").write_text("PROTOCOL = 'p2p/1'\n")
+    (p2p / "manager.py").write_text(textwrap.dedent(_STAND_IN_MANAGER))
+    (p2p / "plain.py").write_text("import vllm.v1.kv_offload.base\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    _forget_hosted()
+    try:
+        yield package
+    finally:
+        _forget_hosted()
+
+
+def test_a_hosted_module_is_vllms_file_under_kvoffloads_name(stand_in_vllm: Path) -> None:
+    manager = importlib.import_module("kvoffload.tiering.p2p.manager")
+    assert manager.__file__ == str(stand_in_vllm / "v1/kv_offload/tiering/p2p/manager.py")
+    assert manager.P2PSecondaryTierManager.protocol == "p2p/1"
+    assert manager.P2PSecondaryTierManager.vllm_only == "from vllm itself"
+    assert importlib.import_module("kvoffload.tiering.p2p").FROM_VLLMS_INIT is True
+
+
+def test_a_hosted_tier_is_built_on_kvoffloads_base_classes(stand_in_vllm: Path) -> None:
+    from kvoffload.tiering.example.manager import ExampleSecondaryTierManager
+
+    manager = importlib.import_module("kvoffload.tiering.p2p.manager")
+    assert manager.SecondaryTierManager is SecondaryTierManager
+    assert issubclass(manager.P2PSecondaryTierManager, ExampleSecondaryTierManager)
+    assert "vllm.v1.kv_offload.tiering.base" not in sys.modules
+
+
+def test_the_factory_builds_a_hosted_tier_by_its_registered_type(stand_in_vllm: Path) -> None:
+    tier_cls = SecondaryTierFactory.get_tier_class({"type": "p2p"})
+    assert tier_cls.__module__ == "kvoffload.tiering.p2p.manager"
+    assert tier_cls.__name__ == "P2PSecondaryTierManager"
+
+
+def test_hosted_code_may_not_bind_vllms_own_kv_offload_modules(stand_in_vllm: Path) -> None:
+    with pytest.raises(ImportError, match=r"may only from-import kv_offload names"):
+        importlib.import_module("kvoffload.tiering.p2p.plain")
+
+
+def test_hosting_writes_nothing_into_vllms_tree(stand_in_vllm: Path) -> None:
+    before = sorted(stand_in_vllm.rglob("*"))
+    importlib.import_module("kvoffload.tiering.p2p.manager")
+    assert sorted(stand_in_vllm.rglob("*")) == before
+
+
+def test_a_tree_without_the_tier_says_which_folder_is_missing(stand_in_vllm: Path) -> None:
+    with pytest.raises(ModuleNotFoundError, match=r"has no v1/kv_offload/tiering/obj; install vllm==0\.33"):
+        importlib.import_module("kvoffload.tiering.obj")
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is importable here")
+@pytest.mark.parametrize("tier_type", ["p2p", "obj"])
+def test_without_vllm_a_hosted_tier_type_says_what_to_install(tier_type: str) -> None:
+    with pytest.raises(TierModuleNotFoundError, match=r"vLLM 0\.33's own code, hosted by kvoffload") as info:
+        SecondaryTierFactory.get_tier_class({"type": tier_type})
+    assert "vLLM is not installed; install vllm==0.33.*" in str(info.value)
+    assert not any(is_hosted(name) for name in sys.modules)
+
+
+# ----------------------------------------------------------------- a tier with a thread and a socket
+
+
+def socket_tier_config(engine_id: str, root: Path, **options: Any) -> OffloadingSettings:
+    return make_config(engine_id, root, [{**SOCKET_TIER, **options}, {"type": "example"}])
+
+
+def stages_of(config: OffloadingSettings, phase: str) -> list[str]:
+    return [s.name for s in plan_stages(config) if s.phase == phase]
+
+
+_LISTED = socket_tier_config("listing", Path("/dev/shm"))
+INIT_STAGES = stages_of(_LISTED, "init")
+CLEANUP_STAGES = stages_of(_LISTED, "cleanup")
+
+
+def test_the_socket_tier_really_holds_a_thread_and_a_socket_while_up(
+    engine_id: str, root: Path, footprint: Footprint
+) -> None:
+    """The residue check is not vacuous: it sees what the tier holds until it is shut down."""
+    with engine(socket_tier_config(engine_id, root)) as built:
+        built["up"]()
+        tier = built["manager"].secondary_tiers[0]
+        assert isinstance(tier, socket_tier.SocketTier)
+        assert left_running(footprint, grace_s=0) == (
+            f"thread {socket_tier.THREAD_NAME!r} (daemon)",
+            *(f"fd {s}" for s in sorted(Footprint.now().sockets - footprint.sockets)),
+        )
+        with socket.create_connection(("127.0.0.1", tier.port)):
+            pass
+    assert left_running(footprint) == ()
+
+
+def test_a_tier_that_keeps_its_thread_and_socket_is_caught(
+    engine_id: str, root: Path, footprint: Footprint
+) -> None:
+    with engine(socket_tier_config(engine_id, root, leak=True)) as built:
+        built["up"]()
+        tier = built["manager"].secondary_tiers[0]
+    left = left_running(footprint, grace_s=0.1)
+    tier._leak = False
+    tier.shutdown()
+    assert left[0] == f"thread {socket_tier.THREAD_NAME!r} (daemon)"
+    assert len(left) == 2
+    assert left[1].startswith("fd socket:[")
+
+
+@pytest.mark.parametrize("point", INIT_STAGES)
+def test_a_failure_at_any_init_point_leaves_no_thread_and_no_socket(
+    engine_id: str, root: Path, footprint: Footprint, point: str
+) -> None:
+    with engine(socket_tier_config(engine_id, root)) as built:
+        faults.configure({point: "raise"})
+        with pytest.raises(InjectedFault) as info:
+            built["up"]()
+        assert info.value.point == point
+        assert "manager" not in built
+        assert left_running(footprint, grace_s=0.1) == ()
+    assert list(root.iterdir()) == []
+
+
+@pytest.mark.parametrize("cleanup_point", CLEANUP_STAGES)
+@pytest.mark.parametrize("point", ["secondary.1", "manager"])
+def test_a_failing_release_step_still_stops_the_tiers_thread_and_socket(
+    engine_id: str, root: Path, footprint: Footprint, point: str, cleanup_point: str
+) -> None:
+    """The socket tier is up when ``point`` fails, and its release runs while ``cleanup_point`` fails."""
+    with engine(socket_tier_config(engine_id, root)) as built:
+        faults.configure({point: "raise", cleanup_point: "raise"})
+        with pytest.raises(InjectedFault) as info:
+            built["up"]()
+        assert info.value.point == point
+        assert left_running(footprint, grace_s=0.1) == ()
+
+
+def test_a_bring_up_with_the_socket_tier_leaves_nothing(engine_id: str, root: Path) -> None:
+    report = bring_up(socket_tier_config(engine_id, root))
+    assert report.verdict == Verdict.OK, report.errors
+    assert not any("thread and socket" in s.what for s in report.cleanup)
+
+
+def test_a_bring_up_whose_tier_keeps_its_thread_and_socket_is_leaked(engine_id: str, root: Path) -> None:
+    report = bring_up(socket_tier_config(engine_id, root, leak=True))
+    assert report.verdict == Verdict.LEAKED
+    assert not report.residue
+    [step] = [s for s in report.cleanup if s.what == "stop every thread and socket started since init"]
+    assert step.participant == "scheduler"
+    assert not step.ok
+    assert step.error is not None
+    assert f"thread {socket_tier.THREAD_NAME!r}" in step.error
+    assert "fd socket:[" in step.error
+
+
+def test_the_fault_matrix_over_the_socket_tiers_points_leaves_nothing(engine_id: str, root: Path) -> None:
+    config = make_config(engine_id, root, [SOCKET_TIER])
+    report = run_matrix(
+        config,
+        stages=("secondary.0", "manager", "cleanup.secondary.0"),
+        modes=("raise", "cleanup-raise"),
+    )
+    assert [(c.stage, c.mode, c.verdict) for c in report.cells] == [
+        (stage, mode, Verdict.CONTRACT_HELD)
+        for stage in ("secondary.0", "manager", "cleanup.secondary.0")
+        for mode in ("raise", "cleanup-raise")
+    ]
+    assert report.leaked == 0
+
+
+# ----------------------------------------------------------------- vLLM's own tiers, where vLLM is
+
+
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not importable (kvoffload's venv has none)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def nixl_stood_in() -> Iterator[None]:
+    """NIXL is a native library absent here: its agent is a MagicMock, as in vLLM's own tests."""
+    nixl = importlib.import_module("kvoffload.tiering.p2p.data.nixl")
+    obj = importlib.import_module("kvoffload.tiering.obj.manager")
+    with ExitStack() as stack:
+        stack.enter_context(patch.object(nixl, "_NixlAgent", MagicMock()))
+        stack.enter_context(patch.object(nixl, "_NixlAgentConfig", MagicMock()))
+        stack.enter_context(patch.object(obj, "nixl_agent", MagicMock()))
+        stack.enter_context(patch.object(obj, "nixl_agent_config", MagicMock()))
+        yield
+
+
+def vllm_tiers(which: str) -> list[dict[str, Any]]:
+    p2p = {"type": "p2p", "host": "127.0.0.1", "port": free_port()}
+    obj = {"type": "obj", "store_config": {"bucket": "kv", "endpoint_override": "127.0.0.1:9"}}
+    choices: dict[str, list[dict[str, Any]]] = {"p2p": [p2p], "obj": [obj], "both": [p2p, obj]}
+    return choices[which]
+
+
+@needs_vllm
+@pytest.mark.parametrize("which", ["p2p", "obj", "both"])
+def test_vllms_tiers_are_built_and_driven_by_kvoffloads_manager(
+    engine_id: str, root: Path, footprint: Footprint, which: str
+) -> None:
+    with nixl_stood_in(), engine(make_config(engine_id, root, vllm_tiers(which))) as built:
+        built["up"]()
+        tiers = built["manager"].secondary_tiers
+        assert [t.tier_type for t in tiers] == (["p2p", "obj"] if which == "both" else [which])
+        assert all(isinstance(t, SecondaryTierManager) and is_hosted(type(t).__module__) for t in tiers)
+        held = left_running(footprint, grace_s=0)
+        # What each tier holds while up, so the check after the shutdown is not vacuous.
+        if which in ("p2p", "both"):
+            assert any(h.startswith("fd socket:[") for h in held), held
+        if which in ("obj", "both"):
+            assert any(h.startswith("thread ") for h in held), held
+    assert left_running(footprint) == ()
+
+
+@needs_vllm
+@pytest.mark.parametrize("which", ["p2p", "obj", "both"])
+@pytest.mark.parametrize("point", ["secondary.0", "manager", "cleanup.secondary.0"])
+def test_vllms_tiers_leave_no_thread_and_no_socket_after_a_failure(
+    engine_id: str, root: Path, footprint: Footprint, which: str, point: str
+) -> None:
+    with nixl_stood_in(), engine(make_config(engine_id, root, vllm_tiers(which))) as built:
+        faults.configure({"manager" if point.startswith("cleanup") else point: "raise", point: "raise"})
+        with pytest.raises(InjectedFault):
+            built["up"]()
+        assert left_running(footprint) == ()
+    assert list(root.iterdir()) == []
