@@ -36,7 +36,7 @@ VERDICT_TEXT = {
     "ok": "up and down cleanly; nothing left behind",
     "contract-held": "the injected failure was cleaned up: nothing left behind",
     "not-fired": "the fault never fired; nothing left behind",
-    "leaked": "files were left behind (the cleanup contract did not hold)",
+    "leaked": "files, threads or sockets were left behind (the cleanup contract did not hold)",
     "orphaned": "the crash left files behind: they are orphans now",
     "failed": "init failed for a reason that was not injected",
 }
