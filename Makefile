@@ -45,8 +45,13 @@ typecheck: venv
 
 check: lint typecheck
 
+# The suite on PYTEST_WORKERS processes (pytest-xdist; pyproject's --dist loadgroup keeps an
+# xdist_group on one worker): most of a test's time is waiting on real processes, leases and
+# timers rather than CPU, so more workers than cores pay, on 2 cores too.
+PYTEST_WORKERS ?= 4
+
 pytest: venv
-	$(BIN)/pytest --cov --cov-report=term-missing:skip-covered
+	$(BIN)/pytest --cov --cov-report=term-missing:skip-covered -n $(PYTEST_WORKERS)
 
 test: check pytest
 

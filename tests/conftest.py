@@ -1,13 +1,22 @@
 """Suite-wide fixtures. The autouse check makes every test prove it leaked nothing:
-no region file left in the shm root, no fd and no mapping of one in this process."""
+no region file left in the shm root, no fd and no mapping of one in this process.
+
+The suite runs on several workers at once (``make pytest``: pytest-xdist), so every name a
+test makes carries its worker's ``TEST_TAG`` and every check here looks only at those. A test
+that changes a setting of the whole machine is marked ``system_wide`` and runs alone.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 import shutil
+import signal
+import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,6 +25,68 @@ from kvoffload import faults
 from tests.procs import TEST_TAG
 
 SHM = Path("/dev/shm")
+
+
+def _still_ignored(signum: int, frame: object) -> None:
+    """A handler that does nothing: the runner stays deaf to the signal; exec resets it."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A runner started by nohup, or in the background of a non-interactive shell (`make test &`,
+    # some CI agents), ignores SIGHUP or SIGINT, and an ignored signal stays ignored across exec:
+    # every process a test starts would be deaf to it, and the tests that send it (Ctrl-C to
+    # `init --hold`, a hangup that `audit` passes on) would wait out their timeouts. A handler
+    # leaves the runner as deaf as it was, and its children start with the default, as they
+    # would from a terminal.
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            signal.signal(signum, _still_ignored)
+
+
+def _turn(item: pytest.Item) -> int:
+    if item.get_closest_marker("system_wide") is not None:
+        return 2
+    return 0 if item.get_closest_marker("slow") is not None else 1
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # pytest-xdist hands tests out in this order (and the largest xdist_group first). The long
+    # ones (slow) go first, so that none is left running alone at the end while the other
+    # workers have nothing to do; the system-wide ones go last, when they no longer wait for a
+    # long test to end, nor keep the other workers waiting at the turnstile.
+    items.sort(key=_turn)
+
+
+#: Held shared by every test and alone by a ``system_wide`` one, across xdist workers and every
+#: other session of this suite on the host: fs.leases-enable = 0 for one test makes every lease
+#: of every other test refused. A test waiting to run alone bars new tests at the turnstile, so
+#: a stream of short tests on the other workers cannot keep it waiting for ever.
+SYSTEM_WIDE_LOCK = Path(tempfile.gettempdir()) / "kvtest-system-wide.lock"
+SYSTEM_WIDE_TURNSTILE = Path(tempfile.gettempdir()) / "kvtest-system-wide.turnstile"
+
+
+@contextmanager
+def _flocked(path: Path, operation: int) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # no child inherits it
+    try:
+        fcntl.flock(fd, operation)
+        yield
+    finally:
+        os.close(fd)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # Around the whole protocol, fixtures included, and outside pytest-timeout's clock: the
+    # wait for a turn is not the test's own time.
+    if item.get_closest_marker("system_wide") is not None:
+        with _flocked(SYSTEM_WIDE_TURNSTILE, fcntl.LOCK_EX), _flocked(SYSTEM_WIDE_LOCK, fcntl.LOCK_EX):
+            yield
+        return
+    with ExitStack() as held:
+        with _flocked(SYSTEM_WIDE_TURNSTILE, fcntl.LOCK_EX):
+            held.enter_context(_flocked(SYSTEM_WIDE_LOCK, fcntl.LOCK_SH))
+        yield
 
 
 def _shm_entries() -> set[str]:

@@ -18,10 +18,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
 from tests.procs import REPO, Child
+
+if TYPE_CHECKING:
+    import pytest
 
 GATE_PID = 4242
 _STAT = f"{GATE_PID} (gate) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n"
@@ -134,6 +137,28 @@ def fill(directory: Path, name: str = "filler") -> Path:
     finally:
         os.close(fd)
     return path
+
+
+def fill_after_the_space_check(monkeypatch: pytest.MonkeyPatch, directory: Path) -> list[Path]:
+    """Fill ``directory`` (``fill``) the moment a region's free-space check has passed.
+
+    That is where another tenant's writes land in production: after the check, before the
+    reservation or the faults. The module looks ``check_shm_free_space`` up at call time so a
+    test can replace it; here the real check runs first, so the window is opened at the same
+    point on every run, however loaded the machine (a filler thread racing the region lost
+    or won that race by scheduling luck). Returns the filled files, one per check passed.
+    """
+    from kvoffload.cpu import shared_offload_region as module
+
+    check = module.check_shm_free_space
+    filled: list[Path] = []
+
+    def check_then_fill(*args: Any, **kwargs: Any) -> None:
+        check(*args, **kwargs)
+        filled.append(fill(directory))
+
+    monkeypatch.setattr(module, "check_shm_free_space", check_then_fill)
+    return filled
 
 
 def as_user(uid: int, fn: Callable[[], Any]) -> Any:

@@ -44,7 +44,8 @@ from tests.e2e import (
 )
 from tests.kubelet import KubeletNode
 
-pytestmark = pytest.mark.slow
+#: The fleet is started once per worker: its tests share one.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("agent-e2e")]
 
 #: The agents' pass interval: an orphan stays one interval after the pass that first finds it,
 #: long enough for several scrapes and rule evaluations to see it before the next pass reaps it.

@@ -90,6 +90,7 @@ def _trapping_command(tmp_path: Path) -> Iterator[tuple[list[str], Path]]:
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.system_wide  # an audit of the /dev/shm tmpfs: another test's regions would be leaks
 @pytest.mark.parametrize("signum", FORWARDED_SIGNALS, ids=lambda s: signal.Signals(s).name)
 def test_a_signal_to_audit_is_passed_on_and_the_report_still_comes(
     signum: signal.Signals, root: Path, tmp_path: Path

@@ -25,14 +25,21 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload import faults
 from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 from kvoffload.errors import InsufficientSpaceError
 from kvoffload.liveness.reap import reap
 from kvoffload.liveness.scan import ScanEntry, ScanReport, Status, scan
 from kvoffload.shm import names
 from shmctl.app import main
-from tests.hostile import ForeignHolder, ProcGate, as_user, fill, shmctl, small_tmpfs
+from tests.hostile import (
+    ForeignHolder,
+    ProcGate,
+    as_user,
+    fill,
+    fill_after_the_space_check,
+    shmctl,
+    small_tmpfs,
+)
 from tests.procs import REPO, Child, entry, region_path, shm_dir, write_file
 
 KEPT_CHANGED = "kept: the name changed just before removal"
@@ -530,6 +537,7 @@ def test_exotic_names_are_reported_one_per_line_and_reaped_by_the_cli(root: Path
     assert os.listdir(root) == []
 
 
+@pytest.mark.system_wide  # an audit of the /dev/shm tmpfs: another test's regions would be leaks
 def test_audit_reports_a_leaked_file_with_control_characters_on_escaped_lines(
     root: Path, engine_id: str
 ) -> None:
@@ -580,34 +588,13 @@ def test_a_region_that_does_not_fit_the_root_is_refused_and_leaves_nothing(
 
 @pytest.mark.root
 def test_a_root_that_fills_up_after_the_space_check_fails_the_reservation_cleanly(
-    tmp_path: Path, engine_id: str
+    tmp_path: Path, engine_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with small_tmpfs(tmp_path, "1m") as mnt:
-        base = region_path(mnt, engine_id)
-        filled = threading.Event()
-
-        def fill_after_the_check() -> None:
-            # The free-space check follows the creation of the base file within microseconds;
-            # the reservation then waits in region.truncate's sleep, where the root fills up.
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                if base.exists():
-                    time.sleep(0.2)
-                    fill(mnt)
-                    filled.set()
-                    return
-                time.sleep(0.001)
-
-        faults.configure({"region.truncate": "sleep(1000)"})
-        filler = threading.Thread(target=fill_after_the_check)
-        filler.start()
-        try:
-            with pytest.raises(InsufficientSpaceError) as info:
-                SharedOffloadRegion(engine_id, 4, None, 2 * PAGESIZE, PAGESIZE, root=mnt)
-        finally:
-            filler.join(15)
-            faults.configure(None)
-        assert filled.is_set()
+        filled = fill_after_the_space_check(monkeypatch, mnt)
+        with pytest.raises(InsufficientSpaceError) as info:
+            SharedOffloadRegion(engine_id, 4, None, 2 * PAGESIZE, PAGESIZE, root=mnt)
+        assert filled == [mnt / "filler"]
         cause = info.value.__cause__
         assert isinstance(cause, OSError)
         assert cause.errno == 28  # ENOSPC from posix_fallocate, not the pre-check

@@ -68,6 +68,7 @@ def test_a_malformed_owner_record_is_ignored_with_the_reason_and_never_blocks_a_
     assert sorted(x.name for x in reap(root, grace_s=0).removed) == sorted([path.name, other.name])
 
 
+@pytest.mark.system_wide  # sums every deleted region mapped on the /dev/shm tmpfs, by any process
 def test_a_region_mapped_but_deleted_on_another_filesystem_is_not_this_roots(
     root: Path, engine_id: str
 ) -> None:
@@ -122,6 +123,7 @@ def test_a_future_mtime_does_not_keep_a_file_starting_forever(root: Path, engine
     assert (e.status, e.reason) == (Status.ORPHANED, NOBODY)
 
 
+@pytest.mark.system_wide  # an audit of the /dev/shm tmpfs: another test's regions would be leaks
 def test_the_reap_command_audit_prints_works_as_printed(root: Path, engine_id: str) -> None:
     path = region_path(root, engine_id)
     make = "import os,sys; fd=os.open(sys.argv[1], os.O_CREAT|os.O_RDWR, 0o600); os.ftruncate(fd, 4096)"
@@ -180,6 +182,7 @@ def leases_disabled() -> Iterator[None]:
 
 
 @pytest.mark.root
+@pytest.mark.system_wide  # fs.leases-enable = 0 refuses every other test's leases too
 def test_where_the_kernel_refuses_leases_the_verdict_falls_back_with_the_reason(
     root: Path, engine_id: str, tmp_path: Path
 ) -> None:

@@ -27,6 +27,9 @@ from packaging.utils import canonicalize_name
 
 from tests.procs import REPO, shm_dir
 
+#: The wheel and the core venv are built once per worker: their tests share one.
+pytestmark = pytest.mark.xdist_group("packaging")
+
 #: Lines of a build log that mean the packaging config is on its way out.
 WARNING = re.compile(r"(?i)deprecat|SetuptoolsWarning|SetuptoolsDeprecationWarning|\bwarning\b")
 CORE = {"typer", "rich", "prometheus-client"}
@@ -251,7 +254,7 @@ def test_the_core_install_has_neither_numpy_nor_psutil_nor_torch(core_venv: Path
         ("reap", "--dry-run"),
         ("faults",),
         (*INIT, "--dry-run"),
-        ("audit", "--", "true"),
+        pytest.param(("audit", "--", "true"), marks=pytest.mark.system_wide),  # audits the shm tmpfs
     ],
     ids=["scan", "reap --dry-run", "faults", "init --dry-run", "audit"],
 )

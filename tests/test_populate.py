@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from kvoffload import faults
 from kvoffload.cpu.shared_offload_region import (
     DEFAULT_MAX_POPULATE_THREADS,
     MAX_POPULATE_THREADS,
@@ -30,6 +29,7 @@ from kvoffload.cpu.shared_offload_region import (
     widen_to_huge_pages,
 )
 from kvoffload.errors import ConfigError, InsufficientSpaceError
+from tests.hostile import fill_after_the_space_check
 from tests.mounts import mounted_tmpfs
 
 MIB = 1 << 20
@@ -241,19 +241,17 @@ def test_a_file_cut_short_under_the_walk_fails_it_with_efault_and_the_joiner_unw
 ) -> None:
     creator = region(engine_id, root, rows=64, populate=False, lifetime="vllm")
     try:
-        # While the joiner waits at region.populate (mapped, attached), the file shrinks to a quarter.
-        cut = threading.Timer(0.1, os.truncate, (creator.path, creator.total_bytes // 4))
-        faults.configure({"region.populate": "sleep(400)"})
-        cut.start()
+        # Once the joiner has mapped the file (its barrier: the step before the walk), the file
+        # shrinks to a quarter.
+        def cut() -> None:
+            os.truncate(creator.path, creator.total_bytes // 4)
+
         with pytest.raises(OSError, match="MADV_POPULATE_WRITE of bytes") as info:
-            region(engine_id, root, rows=64, lifetime="vllm", populate_threads=threads)
-        cut.join()
-        faults.configure(None)
+            region(engine_id, root, rows=64, lifetime="vllm", populate_threads=threads, barrier=cut)
         assert info.value.errno == errno.EFAULT
         assert str(creator.path) in str(info.value)
         assert os.listdir(root) == [creator.path.name]  # a joiner never removes the file
     finally:
-        faults.configure(None)
         creator.cleanup()
 
 
@@ -320,39 +318,15 @@ def test_a_worker_on_huge_pages_faults_the_whole_huge_pages_around_its_slots(
 @pytest.mark.parametrize("tmpfs", ["size=8m"], indirect=True)
 @pytest.mark.parametrize(("threads", "cause"), [(1, errno.ENOSPC), (2, errno.EFAULT)])
 def test_a_root_that_fills_up_before_the_pages_are_faulted_is_an_insufficient_space_error(
-    engine_id: str, tmpfs: Path, threads: int, cause: int
+    engine_id: str, tmpfs: Path, threads: int, cause: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One thread reserves with fallocate (ENOSPC there); several fault without (EFAULT, mapped)."""
-    base = tmpfs / f"vllm_offload_{engine_id}.mmap"
-    filler = tmpfs / "filler"
-
-    def fill() -> None:
-        with open(filler, "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * MIB)
-                    f.flush()
-            except OSError:
-                pass
-
-    def fill_once_created() -> None:
-        for _ in range(2000):
-            if base.exists():
-                fill()
-                return
-            threading.Event().wait(0.005)
-
-    filling = threading.Thread(target=fill_once_created)
-    faults.configure({"region.truncate": "sleep(500)"})
-    filling.start()
-    try:
-        with pytest.raises(InsufficientSpaceError) as info:
-            SharedOffloadRegion(
-                engine_id, 64, None, 16 * PAGESIZE, PAGESIZE, root=tmpfs, populate_threads=threads
-            )
-    finally:
-        filling.join(30)
-        faults.configure(None)
+    filled = fill_after_the_space_check(monkeypatch, tmpfs)
+    with pytest.raises(InsufficientSpaceError) as info:
+        SharedOffloadRegion(
+            engine_id, 64, None, 16 * PAGESIZE, PAGESIZE, root=tmpfs, populate_threads=threads
+        )
+    assert filled == [tmpfs / "filler"]  # the check passed: the error is the allocation's
     assert isinstance(info.value.__cause__, OSError)
     assert info.value.__cause__.errno in (cause, errno.ENOMEM)
     assert info.value.fix is not None

@@ -39,8 +39,8 @@ from tests.procs import REPO, region_path, uninspectable_pids, write_file
 from tests.schemas import validate
 
 _SYSCALLS = {
-    "x86_64": {"renameat2": 316, "unlinkat": 263, "mkdirat": 258, "flock": 73},
-    "aarch64": {"renameat2": 276, "unlinkat": 35, "mkdirat": 34, "flock": 32},
+    "x86_64": {"renameat2": 316, "unlinkat": 263, "mkdirat": 258, "flock": 73, "openat": 257},
+    "aarch64": {"renameat2": 276, "unlinkat": 35, "mkdirat": 34, "flock": 32, "openat": 56},
 }.get(platform.machine())
 
 needs_strace = pytest.mark.skipif(
@@ -120,6 +120,19 @@ class Engine:
     def ask(self, *words: object) -> dict[str, Any]:
         self.send(*words)
         return self.answer()
+
+    def wait_in_open(self, timeout: float = 60) -> None:
+        """Block until the engine sits in openat(2), asleep: where a reaper's lease holds it."""
+        assert _SYSCALLS is not None
+        deadline = time.monotonic() + timeout
+        stat = Path(f"/proc/{self.proc.pid}/stat")
+        while True:
+            current = Path(f"/proc/{self.proc.pid}/syscall").read_text().split()
+            asleep = stat.read_text().rsplit(")", 1)[1].split()[0] == "S"
+            if current and current[0] == str(_SYSCALLS["openat"]) and asleep:
+                return
+            assert time.monotonic() < deadline, f"the engine never blocked in open: {current}"
+            time.sleep(0.002)
 
     def close(self) -> None:
         self.proc.kill()
@@ -640,7 +653,7 @@ def test_a_reaper_killed_holding_its_lease_lets_a_blocked_opener_have_the_file_u
     )
     pid = reaper.wait_in_syscall()  # its lease is held: the opener blocks in the kernel
     engine.send("open", path)
-    time.sleep(0.2)
+    engine.wait_in_open()
     os.kill(pid, signal.SIGKILL)  # the kernel drops a dead holder's lease at once
     reaper.finish()
     assert engine.answer() == {"ino": ino, "nlink": 1, "named": True, "marker": "x\0\0\0"}

@@ -34,7 +34,8 @@ import pytest
 
 from tests.procs import REPO
 
-pytestmark = pytest.mark.slow
+#: CPU-bound (a thousand races, CPUs pinned): one at a time, never against the other heavy tests.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("cpu-heavy")]
 
 #: The longest spin after the k-th open. With it the opens spread over the whole removal: every
 #: outcome (live in the scan, lease refused, lease broken, removed) shows in a run.

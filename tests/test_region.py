@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import multiprocessing as mp
 import os
@@ -217,13 +218,32 @@ def test_joiner_rejects_a_region_unlinked_while_waiting(engine_id: str) -> None:
 
     path = SHM / f"vllm_offload_{engine_id}.mmap"
     os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
-    timer = threading.Timer(0.2, path.unlink)
-    timer.start()
+    joined = threading.Event()
+
+    def joiner_has_it_open() -> bool:
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                    return True
+        return False
+
+    def unlink_once_the_joiner_waits() -> None:
+        # Not sooner: the joiner would find no file and become the creator.
+        while not joined.is_set():
+            if joiner_has_it_open():
+                path.unlink()
+                return
+            joined.wait(0.002)
+
+    creator_fails = threading.Thread(target=unlink_once_the_joiner_waits)
+    creator_fails.start()
     try:
         with pytest.raises(CreatorFailedError, match=r"creator failed.*removed the file"):
-            make(engine_id, join_timeout_s=10)
+            make(engine_id, join_timeout_s=30)
     finally:
-        timer.join()
+        joined.set()
+        creator_fails.join()
+        path.unlink(missing_ok=True)
 
 
 def test_symlink_at_the_region_name_is_never_followed(engine_id: str, tmp_path: Path) -> None:

@@ -61,6 +61,9 @@ from kvoffload.shm.mounts import HugePages
 from tests.procs import REPO, TEST_TAG, Child, shm_dir
 from tests.schemas import schema, validate
 
+#: The documents of real bring-ups are made once per worker: their tests share one.
+pytestmark = pytest.mark.xdist_group("schemas-init")
+
 MIB = 1 << 20
 BYTES_PER_BLOCK = str(4 * PAGESIZE)
 CPU, TIERING = "CPUOffloadingSpec", "TieringOffloadingSpec"

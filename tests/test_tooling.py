@@ -125,10 +125,12 @@ def test_make_test_runs_lint_format_check_strict_types_and_coverage() -> None:
     assert "ruff check kvoffload shmctl tests" in makefile
     assert "ruff format --check kvoffload shmctl tests" in makefile
     assert re.search(r"pytest --cov\b", makefile)
+    assert re.search(r"pytest --cov\b.* -n \$\(PYTEST_WORKERS\)", makefile)  # on several workers
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert config["tool"]["mypy"]["strict"] is True
     assert set(config["tool"]["mypy"]["packages"]) >= {"kvoffload", "shmctl", "tests"}
     pytest_ini = config["tool"]["pytest"]["ini_options"]
     assert {"--strict-markers", "--strict-config"} <= set(pytest_ini["addopts"].split())
+    assert "--dist loadgroup" in pytest_ini["addopts"]  # an xdist_group stays on one worker
     assert pytest_ini["filterwarnings"][0] == "error"
     assert pytest_ini["timeout"] > 0

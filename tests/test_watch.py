@@ -316,7 +316,7 @@ def test_the_agent_removes_exactly_the_dead_regions_of_every_pod_and_its_metrics
 
             code, took = agent.stop()
             assert code == 0, agent.stderr
-            assert took < 1.0
+            assert took < 5  # prompt (test_a_signal_ends_the_agent_with_status_0_within_a_second)
             assert [line for line in agent.stderr if "serving" not in line] == []
         finally:
             for child in live.values():
@@ -332,12 +332,15 @@ def test_a_signal_ends_the_agent_with_status_0_within_a_second(
         for i in range(20):
             volume = node.add_pod(size="1m")
             write_file(region_path(volume, f"{engine_id}-{i}"), size=PAGE)
-        agent = Agent("--root", node.glob, "--interval", "0.1s", "--grace", "0s", "--reap")
+        agent = Agent("--root", node.glob, "--interval", "1h", "--grace", "0s", "--reap")
         agents.append(agent)
         agent.wait_for(lambda ev: len(events_of(ev, "pass")) >= 1)
         code, took = agent.stop(sig)
         assert code == 0, agent.stderr
-        assert took < 1.0
+        # Asleep until its next pass in an hour, it must wake for the signal: an agent that
+        # slept the interval out would take an hour. A loaded machine can stretch a prompt
+        # exit past a second (the documented figure); it cannot stretch it to 5 s.
+        assert took < 5
         assert agent.stderr == []
 
 
@@ -484,10 +487,10 @@ def test_the_loop_stops_between_roots_when_asked(tmp_path: Path) -> None:
         asked += 1
         return asked > 3
 
-    w = Watcher(WatchConfig(roots=(str(tmp_path / "r*"),), interval_s=10), should_stop=should_stop)
+    w = Watcher(WatchConfig(roots=(str(tmp_path / "r*"),), interval_s=3600), should_stop=should_stop)
     started = time.monotonic()
     assert w.run() == 1
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 60  # it did not sleep out the interval
     assert w.passes == 1
 
 

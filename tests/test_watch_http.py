@@ -41,8 +41,9 @@ from tests.procs import REPO, region_path, write_file
 
 NOFILE = 1024
 JSON = dict[str, Any]
-#: How long a test waits for the agent at most (a bound of the test, not a contract).
-PATIENCE_S = 60.0
+#: How long a test waits for the agent at most (a bound of the test, not a contract): a hang
+#: guard, far beyond what a loaded machine takes.
+PATIENCE_S = 300.0
 
 #: Runs shmctl with RLIMIT_NOFILE lowered (soft and hard), as ``prlimit --nofile`` would.
 LIMITED = textwrap.dedent(
@@ -334,6 +335,8 @@ def no_trouble(agent: Agent) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.xdist_group("cpu-heavy")  # CPU-bound: one at a time, never against each other
 @pytest.mark.usefixtures("many_sockets")
 def test_1200_half_open_connections_neither_delay_healthz_nor_stop_a_scan(agent: Agent) -> None:
     port = agent.port()
@@ -352,7 +355,11 @@ def test_1200_half_open_connections_neither_delay_healthz_nor_stop_a_scan(agent:
         status, body, took = healthz(port)
 
         assert (status, body) == (200, b"ok\n")
-        assert took < 1.0, f"/healthz took {took:.2f}s behind 1,200 half-open connections"
+        # Queued behind them, it would wait for a head to time out (READ_TIMEOUT_S) or for ever;
+        # half of that is a bound no load makes it miss by luck.
+        assert took < server_http.READ_TIMEOUT_S / 2, (
+            f"/healthz took {took:.2f}s behind 1,200 half-open connections"
+        )
         # The connection cap, and a few fds the scan holds at the moment it is looked at.
         assert fds_during <= baseline_fds + server_http.MAX_CONNECTIONS + 8, (baseline_fds, fds_during)
         passes = agent.wait_passes(3)
@@ -366,6 +373,8 @@ def test_1200_half_open_connections_neither_delay_healthz_nor_stop_a_scan(agent:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.xdist_group("cpu-heavy")  # CPU-bound: one at a time, never against each other
 @pytest.mark.usefixtures("many_sockets")
 def test_1500_idle_keep_alive_connections_cost_no_thread(agent: Agent) -> None:
     port = agent.port()
@@ -417,6 +426,8 @@ def abort(port: int, how: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.xdist_group("cpu-heavy")  # CPU-bound: one at a time, never against each other
 def test_1000_aborted_requests_print_no_traceback_and_at_most_a_line_a_kind(agent: Agent) -> None:
     port = agent.port()
     deadline = time.monotonic() + PATIENCE_S

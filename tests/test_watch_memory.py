@@ -116,6 +116,8 @@ def removed_files(run: Run) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.xdist_group("cpu-heavy")  # CPU-bound: one at a time, never against each other
 def test_watch_reap_over_100000_files_in_one_root_stays_within_100_mib(
     root: Path, engine_id: str, tmp_path: Path
 ) -> None:
@@ -139,6 +141,8 @@ def test_watch_reap_over_100000_files_in_one_root_stays_within_100_mib(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.xdist_group("cpu-heavy")  # CPU-bound: one at a time, never against each other
 def test_watch_reap_over_10000_roots_stays_within_100_mib(root: Path, engine_id: str, tmp_path: Path) -> None:
     roots = 10_000
     orphans = []

@@ -132,6 +132,7 @@ def soak(tmp_path: Path, engine_id: str) -> dict[str, object]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group("cpu-heavy")  # CPU-bound: one at a time, never against each other
 def test_ten_thousand_passes_over_roots_that_come_and_go_keep_memory_fds_and_series_flat(
     tmp_path: Path, engine_id: str
 ) -> None:
