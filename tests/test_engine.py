@@ -163,6 +163,7 @@ def test_plan_splits_a_large_cpu_region_into_segments_like_vllm(engine_id: str, 
     assert [f.offset for f in p.files] == [0, p.files[0].bytes, 2 * p.files[0].bytes]
 
 
+@pytest.mark.system_wide  # the free blocks of the whole /dev/shm tmpfs: no other test may allocate
 def test_dry_run_plan_allocates_nothing(engine_id: str, root: Path) -> None:
     before = (sorted(os.listdir(root)), os.statvfs(root).f_bfree)
     p = plan(make_config(engine_id, root, TIERING, world_size=2, cpu_bytes=64 * MIB))
