@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import pairwise
@@ -182,11 +182,11 @@ class CopyPlan:
         )
 
 
-def _repeated(ids: Sequence[int]) -> list[int]:
+def _repeated(ids: Collection[int]) -> list[int]:
     return sorted(i for i, count in Counter(ids).items() if count > 1)[:4]
 
 
-def make_copy_plan(block_ids: Sequence[int], chunk_ids: Sequence[int], blocks_per_chunk: int) -> CopyPlan:
+def make_copy_plan(block_ids: Collection[int], chunk_ids: Collection[int], blocks_per_chunk: int) -> CopyPlan:
     """The plan of one transfer (see the module docstring); ``ConfigError`` if it is not one."""
     import numpy as np
 
@@ -232,7 +232,7 @@ def split_plan(plan: CopyPlan, pieces: int) -> list[CopyPlan]:
 
 
 def plan_copy_runs(
-    block_ids: Sequence[int], chunk_ids: Sequence[int], blocks_per_chunk: int
+    block_ids: Collection[int], chunk_ids: Collection[int], blocks_per_chunk: int
 ) -> list[CopyRun]:
     """Group a transfer into runs that are contiguous on both sides (see the module docstring)."""
     return make_copy_plan(block_ids, chunk_ids, blocks_per_chunk).runs()
