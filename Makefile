@@ -68,10 +68,10 @@ bench: venv
 bench-quick:
 	$(MAKE) bench QUICK=1
 
-# vLLM 0.33's own kv_offload tests, run against vLLM and against kvoffload (compat/vllm_compat.py):
-# downloads the sdist through pip's index configuration and builds a venv of its own under
-# build/vllm-compat. Not part of `make test`: it needs the network, and about 4 minutes once its
-# venv is built.
+# Every vLLM 0.33 test of kv_offload and of its offloading connector, run against vLLM and against
+# kvoffload (compat/vllm_compat.py): downloads the sdist through pip's index configuration and
+# builds a venv of its own under build/vllm-compat. Not part of `make test`: it needs the network,
+# and about 25 minutes on 2 busy vCPUs once its venv is built (each file has a time limit).
 vllm-compat: venv
 	$(BIN)/python compat/vllm_compat.py --work build/vllm-compat
 

@@ -8,8 +8,9 @@ and hands ``LoadStoreSpec`` pairs to the workers. The worker side owns an
 A block is named by an ``OffloadKey``: the block hash followed by the KV-cache group
 index as 4 bytes, big-endian, unsigned, so one hash stored for two groups is two keys.
 
-Nothing here imports torch or numpy: the CLI imports this module on every Tab press.
-Block ids are therefore plain tuples of ints, where vLLM keeps numpy arrays.
+Nothing here imports torch or numpy at import time: the CLI imports this module on every Tab
+press. Block ids are still vLLM's ``np.int32`` arrays: numpy is imported when the first
+``BlockIDsLoadStoreSpec`` is built, which only the paths that move KV data do.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NewType, Self, Type
 from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
     from kvoffload.config import OffloadingConfig
 
 log = logging.getLogger(__name__)
@@ -189,35 +193,65 @@ class LoadStoreSpec:
         return cls.MEDIUM
 
 
-@dataclass(frozen=True, slots=True)
-class BlockIDsLoadStoreSpec(LoadStoreSpec):
-    """A transfer side addressed by block ids, in transfer order."""
+_INT32_MAX = (1 << 31) - 1
 
-    block_ids: tuple[int, ...]
+
+def _block_id_array(block_ids: Iterable[int]) -> NDArray[np.int32]:
+    """``block_ids`` as vLLM keeps them: a new ``np.int32`` array, each id checked first.
+
+    vLLM's ``np.array(ids, dtype=np.int32)`` truncates a float and wraps an int64 id; here a
+    float is a ``TypeError`` (``operator.index``) and an id outside int32, or an array that is
+    not one-dimensional integers, a ``ConfigError``: a transfer never names a block nobody asked for.
+    """
+    import numpy as np
+
+    if isinstance(block_ids, np.ndarray):
+        if block_ids.ndim != 1 or block_ids.dtype.kind not in "iu":
+            raise ConfigError(
+                "block_ids", f"a {block_ids.ndim}-D {block_ids.dtype} array; give one id per block"
+            )
+        ids: Sequence[int] = block_ids.tolist()
+    else:
+        ids = [operator.index(b) for b in block_ids]
+    outside = [b for b in ids if not 0 <= b <= _INT32_MAX]
+    if outside:
+        raise ConfigError("block_ids", f"ids must be in 0..{_INT32_MAX}, got {outside[:4]}")
+    return np.array(ids, dtype=np.int32)
+
+
+# eq=False: vLLM's specs compare by identity, and arrays have no truth value to compare by.
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockIDsLoadStoreSpec(LoadStoreSpec):
+    """A transfer side addressed by block ids, in transfer order.
+
+    ``block_ids`` is the spec's own ``np.int32`` array (vLLM's type, so code written for vLLM,
+    such as its connector's ``block_ids.tolist()``, runs unchanged); the ids are copied when
+    the spec is built, so the caller's list can change afterwards without moving the transfer.
+    """
+
+    block_ids: NDArray[np.int32]
 
     def __init__(self, block_ids: Iterable[int]) -> None:
-        ids = tuple(operator.index(b) for b in block_ids)
-        negative = [b for b in ids if b < 0]
-        if negative:
-            raise ConfigError("block_ids", f"ids must be non-negative, got {negative[:4]}")
-        object.__setattr__(self, "block_ids", ids)
+        object.__setattr__(self, "block_ids", _block_id_array(block_ids))
 
     def __len__(self) -> int:
         return len(self.block_ids)
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True, init=False, eq=False)
 class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
     """GPU KV-cache block ids (one per block of the transfer), ordered by KV-cache group.
 
     ``group_sizes[i]`` blocks belong to group ``i`` and ``block_indices[i]`` is the index,
     in its request, of that group's first block (so a worker can skip into the first
     chunk when chunks are larger than GPU blocks). Left out: one group starting at 0.
+    Both are kept as given, as vLLM keeps them (its connector hands over lists and its tests
+    compare them with lists), after checking that they describe ``block_ids``.
     """
 
     MEDIUM: ClassVar[Medium] = Medium.GPU
-    group_sizes: tuple[int, ...]
-    block_indices: tuple[int, ...]
+    group_sizes: Sequence[int]
+    block_indices: Sequence[int]
 
     def __init__(
         self,
@@ -226,18 +260,16 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         block_indices: Sequence[int] | None = None,
     ) -> None:
         BlockIDsLoadStoreSpec.__init__(self, block_ids)
-        sizes = (
-            (len(self.block_ids),) if group_sizes is None else tuple(operator.index(n) for n in group_sizes)
-        )
-        starts = (
-            (0,) * len(sizes) if block_indices is None else tuple(operator.index(i) for i in block_indices)
-        )
-        if sum(sizes) != len(self.block_ids):
+        sizes = [len(self.block_ids)] if group_sizes is None else group_sizes
+        starts = [0] * len(sizes) if block_indices is None else block_indices
+        if sum(operator.index(n) for n in sizes) != len(self.block_ids):
             raise ConfigError("group_sizes", f"sum to {sum(sizes)}, not the {len(self.block_ids)} block ids")
         if len(starts) != len(sizes):
             raise ConfigError(
                 "block_indices", f"{len(starts)} given for {len(sizes)} groups; give one per group"
             )
+        for i in starts:
+            operator.index(i)
         object.__setattr__(self, "group_sizes", sizes)
         object.__setattr__(self, "block_indices", starts)
 

@@ -204,7 +204,7 @@ def store(manager: TieringOffloadingManager, *ids: int, ctx: ReqContext = CTX) -
     for i, chunk in zip(ids, out.store_spec.chunk_ids, strict=True):
         write_chunk(view, chunk, pattern(i))
     manager.complete_store(keys(*ids), ctx)
-    return out.store_spec.chunk_ids
+    return tuple(out.store_spec.chunk_ids.tolist())
 
 
 def end_step(manager: TieringOffloadingManager) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import pairwise
@@ -83,13 +83,13 @@ class BlockCopyPlan:
         )
 
 
-def repeated_ids(ids: Sequence[int]) -> list[int]:
+def repeated_ids(ids: Collection[int]) -> list[int]:
     """Up to four ids named more than once, for an error message."""
     return sorted(i for i, count in Counter(ids).items() if count > 1)[:4]
 
 
 def make_copy_plan(
-    block_ids: Sequence[int], chunk_ids: Sequence[int], blocks_per_chunk: int
+    block_ids: Collection[int], chunk_ids: Collection[int], blocks_per_chunk: int
 ) -> BlockCopyPlan:
     """The plan of one group that starts at sub-block 0; ``ConfigError`` if it is not one.
 
@@ -171,7 +171,7 @@ def split_plan(plan: BlockCopyPlan, pieces: int) -> list[BlockCopyPlan]:
 
 
 def plan_copy_runs(
-    block_ids: Sequence[int], chunk_ids: Sequence[int], blocks_per_chunk: int
+    block_ids: Collection[int], chunk_ids: Collection[int], blocks_per_chunk: int
 ) -> list[BlockRun]:
     """Group a transfer into runs that are contiguous on both sides (see ``make_copy_plan``)."""
     return make_copy_plan(block_ids, chunk_ids, blocks_per_chunk).runs()

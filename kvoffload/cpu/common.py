@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, ClassVar
 from kvoffload.base import BlockIDsLoadStoreSpec, ConfigInfo, Medium
 
 if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
     from kvoffload.config import OffloadingConfig
 
 
@@ -28,7 +31,7 @@ class CPUOffloadingMetrics:
     CPU_CACHE_READ_USAGE_PERC = "vllm:kv_offload_cpu_cache_read_usage_perc"
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True, init=False, eq=False)
 class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
     """CPU region chunk ids; one chunk holds ``blocks_per_chunk`` GPU blocks.
 
@@ -39,7 +42,7 @@ class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
     MEDIUM: ClassVar[Medium] = Medium.CPU
 
     @property
-    def chunk_ids(self) -> tuple[int, ...]:
+    def chunk_ids(self) -> NDArray[np.int32]:
         return self.block_ids
 
 
