@@ -338,7 +338,16 @@ def test_no_live_engine_was_orphaned_at_any_scrape_of_the_run(fleet: Fleet) -> N
     assert prom.query(f'count_over_time(shmctl_orphan_engine_bytes{{engine_id=~"{ids}"}}{run})') == []
     for node in ("node-b", "node-c"):
         address = fleet.agents[node].address
-        seen = prom.query(f'max_over_time(shmctl_regions{{status="orphaned", instance="{address}"}}{run})')
+
+        def orphaned_regions(address: str = address) -> list[Any] | None:
+            # A scrape has a 1 s timeout: on a loaded machine every scrape of a node can miss it
+            # for a while, and no sample is no evidence either way. Wait for one in the run.
+            series = f'shmctl_regions{{status="orphaned", instance="{address}"}}{fleet.since_start()}'
+            return prom.query(f"max_over_time({series})") or None
+
+        seen = wait_for(
+            orphaned_regions, PATIENCE, f"a scrape of {node}'s shmctl_regions", explain=fleet.explain
+        )
         assert [float(r["value"][1]) for r in seen] == [0.0], node
     # The same queries find what was orphaned: they can fail.
     if fleet.killed:
