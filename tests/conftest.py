@@ -20,6 +20,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
+from _pytest.nodeid import NodeId
 
 from kvoffload import faults
 from tests.procs import TEST_TAG
@@ -49,12 +50,35 @@ def _turn(item: pytest.Item) -> int:
     return 0 if item.get_closest_marker("slow") is not None else 1
 
 
+def _keep_xdist_group(item: pytest.Item) -> None:
+    """Name a grouped test ``NODEID@GROUP``, as pytest-xdist's ``--dist loadgroup`` needs.
+
+    pytest-xdist 3.8 renames it through ``item._nodeid``, which pytest 9.2 no longer reads (the
+    id is ``item._id``): without this every group would be silently split across workers.
+    """
+    names = {
+        str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+        for m in item.iter_markers("xdist_group")
+    }
+    if not names:
+        return
+    suffix = "@" + "_".join(sorted(names))
+    if not item.nodeid.endswith(suffix) and isinstance(getattr(item, "_id", None), NodeId):
+        item._id = NodeId.parse(item.nodeid + suffix)
+    if not item.nodeid.endswith(suffix):
+        raise pytest.UsageError(f"{item.nodeid}: this pytest and pytest-xdist do not keep xdist_group")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # pytest-xdist hands tests out in this order (and the largest xdist_group first). The long
     # ones (slow) go first, so that none is left running alone at the end while the other
     # workers have nothing to do; the system-wide ones go last, when they no longer wait for a
     # long test to end, nor keep the other workers waiting at the turnstile.
     items.sort(key=_turn)
+    if getattr(config.option, "loadgroup", False):  # a worker of pytest -n with --dist loadgroup
+        for item in items:
+            _keep_xdist_group(item)
 
 
 #: Held shared by every test and alone by a ``system_wide`` one, across xdist workers and every
@@ -67,7 +91,12 @@ SYSTEM_WIDE_TURNSTILE = Path(tempfile.gettempdir()) / "kvtest-system-wide.turnst
 
 @contextmanager
 def _flocked(path: Path, operation: int) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # no child inherits it
+    # Read-only, and created only when missing: any user can lock it (fs.protected_regular
+    # refuses O_CREAT on another user's file in /tmp). O_CLOEXEC: no child inherits the lock.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, operation)
         yield

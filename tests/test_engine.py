@@ -324,7 +324,7 @@ def test_a_worker_failing_before_the_barrier_releases_its_peer_instead_of_hangin
         make_config(engine_id, root, CPU, world_size=2),
         fail_at=["validate"],
         target_rank=1,
-        idle_timeout_s=20,
+        idle_timeout_s=100,  # a peer left hanging waits 100 s in the barrier; released, seconds
     )
     assert report.verdict is Verdict.CONTRACT_HELD
     assert report.error is not None
@@ -333,7 +333,7 @@ def test_a_worker_failing_before_the_barrier_releases_its_peer_instead_of_hangin
     assert peer.result == "failed"
     assert peer.error is not None
     assert peer.error.type == "BrokenBarrierError"
-    assert peer.seconds < 10
+    assert peer.seconds < 60  # not the idle timeout: a bound no load reaches
     assert any("abort the workers' barrier" in c.what for c in report.cleanup)
     assert report.residue.paths == ()
 

@@ -61,8 +61,9 @@ from kvoffload.shm.mounts import HugePages
 from tests.procs import REPO, TEST_TAG, Child, shm_dir
 from tests.schemas import schema, validate
 
-#: The documents of real bring-ups are made once per worker: their tests share one.
-pytestmark = pytest.mark.xdist_group("schemas-init")
+#: A real bring-up's and a real matrix's documents are made once per worker: the tests that read
+#: them run on one (make pytest runs on several).
+SHARES_A_BRING_UP = pytest.mark.xdist_group("init-documents")
 
 MIB = 1 << 20
 BYTES_PER_BLOCK = str(4 * PAGESIZE)
@@ -246,6 +247,7 @@ def test_the_dry_run_plan_matches_its_schema(
 
 
 @needs_torch
+@SHARES_A_BRING_UP
 def test_a_bring_up_that_succeeds_matches_its_schema(report_doc: dict[str, Any]) -> None:
     assert (report_doc["verdict"], report_doc["fault"], report_doc["error"]) == ("ok", None, None)
     assert {s["participant"] for s in report_doc["stages"]} == {"worker 0", "worker 1", "scheduler"}
@@ -315,6 +317,7 @@ def test_a_crash_report_matches_its_schema_and_its_orphans_exist_until_reaped(
 
 @needs_torch
 @pytest.mark.slow
+@SHARES_A_BRING_UP
 def test_a_matrix_with_crash_cells_matches_its_schema(matrix_doc: dict[str, Any]) -> None:
     assert matrix_doc["modes"] == ["raise", "oserror:EFAULT", "cleanup-raise", "crash"]
     assert len(matrix_doc["cells"]) == 8
@@ -381,7 +384,11 @@ def _params(cases: list[tuple[str, str, tuple[str | int, ...], str]]) -> list[An
             where,
             field,
             id=f"{name}:{'.'.join(map(str, where)) or 'document'}.{field}",
-            marks=[pytest.mark.slow] if fixture == "matrix_doc" else [],
+            marks={
+                "plan_doc": [],
+                "report_doc": [SHARES_A_BRING_UP],
+                "matrix_doc": [pytest.mark.slow, SHARES_A_BRING_UP],
+            }[fixture],
         )
         for name, fixture, where, field in cases
     ]
