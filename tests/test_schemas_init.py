@@ -271,13 +271,14 @@ def test_a_bring_up_with_an_injected_fault_matches_its_schema(
     code, doc = init(root, kv_config(engine_id, spec), "--world-size", "2", "--fail-at", point, *argv)
     assert (code, doc["verdict"]) == (0, "contract-held")
     if point == "region.populate":
-        # Both workers reach populate unless the creator fails there first and unlinks the
-        # file while the joiner is still between its size wait and its nlink check: that
-        # joiner then fails with CreatorFailedError, which is the protocol working, not a miss.
+        # Both workers pass the attach barrier and then populate, unless one fails there so fast
+        # that the parent aborts the barrier before the other has woken from it: threading's
+        # Barrier then raises BrokenBarrierError in a party it had already released. That peer
+        # fails instead of reaching the point, and the report must say exactly that.
         assert doc["fault"]["fired"] and doc["fault"]["fired_in"]
         missed = set(fired_in) - set(doc["fault"]["fired_in"])
         why = {(e["participant"], e["type"]) for e in doc["errors"] if not e["injected"]}
-        assert why == {(name, "CreatorFailedError") for name in missed}, doc["errors"]
+        assert why == {(name, "BrokenBarrierError") for name in missed}, doc["errors"]
     else:
         assert (doc["fault"]["fired"], doc["fault"]["fired_in"]) == (True, fired_in)
     assert (doc["error"]["injected"], doc["error"]["point"]) == (True, point)
