@@ -275,7 +275,8 @@ def test_a_bring_up_with_an_injected_fault_matches_its_schema(
         # that the parent aborts the barrier before the other has woken from it: threading's
         # Barrier then raises BrokenBarrierError in a party it had already released. That peer
         # fails instead of reaching the point, and the report must say exactly that.
-        assert doc["fault"]["fired"] and doc["fault"]["fired_in"]
+        assert doc["fault"]["fired"]
+        assert doc["fault"]["fired_in"]
         missed = set(fired_in) - set(doc["fault"]["fired_in"])
         why = {(e["participant"], e["type"]) for e in doc["errors"] if not e["injected"]}
         assert why == {(name, "BrokenBarrierError") for name in missed}, doc["errors"]
