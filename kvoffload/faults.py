@@ -48,6 +48,8 @@ class FaultPoint:
     name: str
     phase: str  # "init" or "cleanup"
     description: str
+    #: Reached only where a secondary tier of this type is configured (a hosted tier's stage).
+    tier: str | None = None
 
 
 #: Every point, in the order init reaches them (cleanup points last).
@@ -65,11 +67,44 @@ REGISTRY: tuple[FaultPoint, ...] = (
     FaultPoint(
         "secondary", "init", "tiering scheduler: before any secondary tier is built (secondary.N: the N-th)"
     ),
+    FaultPoint(
+        "secondary.p2p.data", "init", "p2p tier: before its data plane (NIXL transport) is created", "p2p"
+    ),
+    FaultPoint(
+        "secondary.p2p.control",
+        "init",
+        "p2p tier: before its control plane binds its ZMQ socket (the data plane is up)",
+        "p2p",
+    ),
+    FaultPoint(
+        "secondary.obj.probe",
+        "init",
+        "object tier: before it probes the store (its NIXL agent and OBJ backend are up)",
+        "obj",
+    ),
+    FaultPoint(
+        "secondary.obj.lookup",
+        "init",
+        "object tier: before its lookup thread starts (its memory is registered with NIXL)",
+        "obj",
+    ),
     FaultPoint("manager", "init", "scheduler: before the offloading manager is built over the tiers"),
     FaultPoint(
         "cleanup.secondary",
         "cleanup",
         "a secondary tier's shutdown reports failure; the tier is still shut down (.N: the N-th)",
+    ),
+    FaultPoint(
+        "cleanup.secondary.p2p.control",
+        "cleanup",
+        "p2p tier: closing its control plane reports failure; its data plane is still closed",
+        "p2p",
+    ),
+    FaultPoint(
+        "cleanup.secondary.obj.lookup",
+        "cleanup",
+        "object tier: stopping its lookup thread reports failure; its NIXL handles are still released",
+        "obj",
     ),
     FaultPoint(
         "cleanup.primary", "cleanup", "the primary tier's shutdown reports failure; it is still released"

@@ -29,8 +29,9 @@ from tests.conftest import region_fds, region_maps
 torch = pytest.importorskip("torch")
 
 SHM = Path("/dev/shm")
-INIT_POINTS = [p.name for p in faults.REGISTRY if p.phase == "init"]
-CLEANUP_POINTS = [p.name for p in faults.REGISTRY if p.phase == "cleanup"]
+# A hosted tier's own points (p2p, obj) need vLLM: tests/test_tiering_hosted.py covers them.
+INIT_POINTS = [p.name for p in faults.REGISTRY if p.phase == "init" and p.tier is None]
+CLEANUP_POINTS = [p.name for p in faults.REGISTRY if p.phase == "cleanup" and p.tier is None]
 ACTIONS: dict[str, Callable[[BaseException, str], bool]] = {
     "raise": lambda e, point: isinstance(e, InjectedFault) and e.point == point,
     "oserror(14)": lambda e, point: type(e) is OSError and e.errno == 14 and f"injected at {point}" in str(e),

@@ -139,6 +139,12 @@ def test_plan_of_the_cpu_spec_has_no_scheduler_region_or_tiers(engine_id: str, r
     assert all(s.sides == (WORKER,) for s in p.stages if s.name.startswith(("region.", "cleanup.region")))
 
 
+def with_tiers(config: OffloadingSettings, tiers: list[dict[str, Any]]) -> OffloadingSettings:
+    """``config`` with these secondary tiers, unchecked: a hosted tier's class needs vLLM to
+    import, and planning its stages does not."""
+    return dataclasses.replace(config, secondary_tiers=tuple(tiers))
+
+
 @pytest.mark.parametrize("point", [p.name for p in faults.REGISTRY])
 def test_every_registry_point_is_placed_and_planned_for_the_tiering_spec(
     point: str, engine_id: str, root: Path
@@ -147,12 +153,33 @@ def test_every_registry_point_is_placed_and_planned_for_the_tiering_spec(
     sides = stage_sides(point, tiering=True)
     assert set(sides) <= {WORKER, SCHEDULER}
     assert sides
+    # A hosted tier's own points are planned where a tier of that type is configured.
+    hosted: list[dict[str, Any]] = [
+        {"type": "p2p", "port": 5710},
+        {"type": "obj", "store_config": {"bucket": "kv"}},
+    ]
     planned = {
         s.name.rsplit(".", 1)[0] if s.name[-1].isdigit() else s.name
-        for s in plan_stages(make_config(engine_id, root, TIERING))
+        for s in plan_stages(with_tiers(make_config(engine_id, root, TIERING), hosted))
     }
     assert point in planned
     assert (point in CREATOR_ONLY) == (point in ("region.space", "region.truncate"))
+
+
+@pytest.mark.parametrize("kind", ["p2p", "obj"])
+def test_a_hosted_tiers_points_are_planned_only_where_that_tier_is_configured(
+    engine_id: str, root: Path, kind: str
+) -> None:
+    ours = [p.name for p in faults.REGISTRY if p.tier == kind]
+    assert ours
+    tiers: list[dict[str, Any]] = [{"type": "example"}, {"type": kind}]
+    with_it = plan_stages(with_tiers(make_config(engine_id, root, TIERING), tiers))
+    planned = {s.name: s for s in with_it}
+    assert all(planned[name].sides == (SCHEDULER,) for name in ours)
+    assert all(planned[name].description.startswith("secondary tier 1: ") for name in ours)
+    without = {s.name for s in plan_stages(make_config(engine_id, root, TIERING))}
+    assert without.isdisjoint(ours)
+    assert {s.name for s in plan_stages(make_config(engine_id, root, CPU))}.isdisjoint(ours)
 
 
 def test_plan_splits_a_large_cpu_region_into_segments_like_vllm(engine_id: str, root: Path) -> None:

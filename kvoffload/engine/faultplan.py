@@ -29,14 +29,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvoffload import faults
-from kvoffload.engine.plan import SCHEDULER, TIERING_ONLY, WORKER, InitPlan, PlanStage
+from kvoffload.engine.plan import SCHEDULER, TIER_POINTS, TIERING_ONLY, WORKER, InitPlan, PlanStage
 from kvoffload.errors import ConfigError
 
 MODE_KINDS = ("raise", "oserror", "crash", "cleanup-raise")
 #: The modes whose failure runs the library's own unwind (everything but crash).
 RAISE_KINDS = ("raise", "oserror", "cleanup-raise")
 MARKER = "sleep(0)"
-CLEANUP_POINTS = tuple(p.name for p in faults.REGISTRY if p.phase == "cleanup")
+#: Every bring-up's cleanup points; a hosted tier's own are armed where the plan reaches them.
+CLEANUP_POINTS = tuple(p.name for p in faults.REGISTRY if p.phase == "cleanup" and p.tier is None)
 MODE_HELP = "raise, oserror:ERRNO (oserror:EFAULT, oserror:28), crash or cleanup-raise, optionally P% first"
 
 #: ``None``: every participant; an int: that worker; ``"scheduler"``: the scheduler.
@@ -163,7 +164,8 @@ def build_fault_plan(
         seed = random.SystemRandom().randrange(1 << 31)  # chosen here so the report can replay it
     injected: dict[str, str] = dict.fromkeys(stages, mode.action)
     if mode.kind == "cleanup-raise":
-        for point in CLEANUP_POINTS:
+        tiers_own = [s.name for s in plan.stages if s.phase == "cleanup" and s.name in TIER_POINTS]
+        for point in (*CLEANUP_POINTS, *tiers_own):
             injected.setdefault(point, "raise")
     failpoints = ";".join(f"{k}={v}" for k, v in injected.items())
     faults.parse_config(failpoints)  # the grammar and the registry agree, or fail here
@@ -191,8 +193,11 @@ def _check_stage(plan: InitPlan, name: str, target: Target) -> PlanStage:
         stage = plan.stage(f"{name}.0")
     if stage is None:
         base = name.rsplit(".", 1)[0] if name.rsplit(".", 1)[-1].isdigit() else name
+        tier = next((p.tier for p in faults.REGISTRY if p.name == base), None)
         if base in TIERING_ONLY and plan.spec != "TieringOffloadingSpec":
             why = "it runs only with TieringOffloadingSpec"
+        elif tier is not None:
+            why = f"it runs only in a {tier} secondary tier, and none is configured"
         elif base in faults.INDEXED:
             why = f"{len(plan.tiers) - 1 if plan.tiers else 0} secondary tier(s) are configured"
         else:

@@ -59,7 +59,11 @@ _SIDES: dict[str, tuple[str, ...]] = {
 }
 #: Only the process that wins the O_EXCL create checks free space and sizes the files.
 CREATOR_ONLY = frozenset({"region.space", "region.truncate"})
-TIERING_ONLY = frozenset({"scheduler.region", "primary", "secondary", "cleanup.secondary", "cleanup.primary"})
+#: The hosted tiers' own stages (``secondary.p2p.data``, ...): the tiering scheduler builds them.
+TIER_POINTS = frozenset(p.name for p in faults.REGISTRY if p.tier is not None)
+TIERING_ONLY = frozenset(
+    {"scheduler.region", "primary", "secondary", "cleanup.secondary", "cleanup.primary", *TIER_POINTS}
+)
 _INDEXED_DESCRIPTIONS = {
     "secondary": "tiering scheduler: before secondary tier {index} ({type}) is built",
     "cleanup.secondary": "secondary tier {index} ({type}) reports a shutdown failure; it is still shut down",
@@ -215,8 +219,16 @@ def plan_stages(config: OffloadingSettings) -> tuple[PlanStage, ...]:
     tiering = config.is_tiering
     tiers = len(config.secondary_tiers)
     stages: list[PlanStage] = []
+    kinds = [str(tier.get("type", "?")) for tier in config.secondary_tiers]
     for point in faults.REGISTRY:
         if point.name in TIERING_ONLY and not tiering:
+            continue
+        if point.tier is not None:
+            # A hosted tier's own stage: planned where a tier of its type is configured.
+            where = [str(i) for i, kind in enumerate(kinds) if kind == point.tier]
+            if where:
+                description = f"secondary tier {', '.join(where)}: {point.description}"
+                stages.append(PlanStage(point.name, point.phase, (SCHEDULER,), False, description))
             continue
         sides = stage_sides(point.name, tiering)
         if point.name in faults.INDEXED:
@@ -234,6 +246,8 @@ def plan_stages(config: OffloadingSettings) -> tuple[PlanStage, ...]:
 
 def stage_sides(name: str, tiering: bool) -> tuple[str, ...]:
     """Which kind of participant reaches point ``name`` (a point we cannot place: both)."""
+    if name in TIER_POINTS:
+        return (SCHEDULER,)
     base = name.rsplit(".", 1)[0] if name.rsplit(".", 1)[-1].isdigit() else name
     if base in _REGION_POINTS or base == "cleanup.region":
         return (WORKER, SCHEDULER) if tiering else (WORKER,)

@@ -298,11 +298,14 @@ class Footprint:
     """
 
     threads: frozenset[threading.Thread]
-    sockets: frozenset[str]  # "socket:[inode]", one per fd
+    #: One per fd: "socket:[inode]", or "anon_inode:[eventfd] (fd N)" for the kernel event
+    #: handles a library's native threads poll (a ZMQ context holds eventfds and an epoll; its
+    #: I/O threads are native, invisible to ``threading``, and go with the context).
+    handles: frozenset[str]
 
     @classmethod
     def now(cls, proc_self: Path = Path("/proc/self")) -> Footprint:
-        return cls(frozenset(threading.enumerate()), frozenset(_socket_fds(proc_self)))
+        return cls(frozenset(threading.enumerate()), frozenset(_handle_fds(proc_self)))
 
 
 #: How long a thread or socket may take to go after the release returned (a thread told to
@@ -321,7 +324,7 @@ def left_running(
     while True:
         now = Footprint.now(proc_self)
         threads = [t for t in now.threads - before.threads if t.is_alive()]
-        sockets = sorted(now.sockets - before.sockets)
+        sockets = sorted(now.handles - before.handles)
         left = time.monotonic() - deadline
         if not (threads or sockets) or left >= 0:
             break
@@ -339,7 +342,7 @@ def _name(thread: threading.Thread) -> str:
     return thread.name
 
 
-def _socket_fds(proc_self: Path) -> list[str]:
+def _handle_fds(proc_self: Path) -> list[str]:
     found: list[str] = []
     try:
         fds = os.listdir(proc_self / "fd")
@@ -352,6 +355,8 @@ def _socket_fds(proc_self: Path) -> list[str]:
             continue
         if target.startswith("socket:"):
             found.append(target)
+        elif target.startswith("anon_inode:"):
+            found.append(f"{target} (fd {fd})")  # no inode to tell two apart: the fd does
     return found
 
 

@@ -23,7 +23,10 @@ Invariants:
 * a kv_offload name is only ever kvoffload's inside hosted code: a plain ``import
   vllm.v1.kv_offload.x`` (which would bind vLLM's copy through the ``vllm`` package) is
   refused at import instead of silently mixing the two;
-* vLLM's tree is only read: no bytecode is written next to its sources.
+* vLLM's tree is only read: no bytecode is written next to its sources;
+* each hosted module is guarded as it is executed (``kvoffload.tiering.guards``): named
+  fault points at the tiers' stages, and what a failed constructor or shutdown had built
+  released (vLLM 0.33 leaks it).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvoffload.tiering import guards
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -132,6 +137,7 @@ class HostedSourceLoader(importlib.machinery.SourceFileLoader):
     def exec_module(self, module: types.ModuleType) -> None:
         module.__dict__["__builtins__"] = _HOSTED_BUILTINS
         super().exec_module(module)
+        guards.apply(module)
 
     def set_data(self, path: str, data: Buffer, *, _mode: int = 0o666) -> None:
         """No bytecode cache: vLLM's tree is read, never written."""

@@ -23,6 +23,7 @@ def fault_points(points: Sequence[FaultPoint], *, json_output: bool, headers: bo
                         "phase": p.phase,
                         "description": p.description,
                         "indexed": p.name in INDEXED,
+                        "tier": p.tier,
                     }
                     for p in points
                 ],
