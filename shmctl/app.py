@@ -87,8 +87,9 @@ class _Group(typer.core.TyperGroup):
         super().__init__(*args, **kwargs)
         # `--color` is the root's and every command's (`shmctl scan --color=never`, as ls and
         # grep take it): one option object, not a parameter in each command's signature.
+        option = _color_option()  # stateless: one object serves every command
         for command in self.commands.values():
-            command.params.append(_color_option())
+            command.params.append(option)
 
     def invoke(self, ctx: Any) -> Any:  # a click Context (typer vendors click in recent versions)
         try:
@@ -102,16 +103,30 @@ class _Group(typer.core.TyperGroup):
 
 
 def _color_option() -> Any:
-    return typer.core.TyperOption(
-        param_decls=["--color"],
-        metavar="auto|always|never",
-        default="auto",
-        show_default=False,
-        expose_value=False,
-        callback=lambda ctx, param, value: _set_color(value),
-        autocompletion=lambda ctx, args, incomplete: _complete_color(incomplete),
-        help="Colour on a terminal (auto), always or never.",
-    )
+    # Declared as typer declares any option and taken from the command typer builds: the
+    # option class's own constructor is private API that changed in typer 0.29 (it now needs
+    # a type descriptor), and shmctl also runs in vLLM's images, which carry 0.29.
+    probe = typer.Typer()
+
+    @probe.command()
+    def color(
+        color: Annotated[
+            str,
+            typer.Option(
+                "--color",
+                metavar="auto|always|never",
+                show_default=False,
+                callback=_set_color,
+                autocompletion=_complete_color,
+                help="Colour on a terminal (auto), always or never.",
+            ),
+        ] = "auto",
+    ) -> None:
+        """Never run: only its option is used."""
+
+    option = next(p for p in typer.main.get_command(probe).params if p.name == "color")
+    option.expose_value = False
+    return option
 
 
 app = typer.Typer(

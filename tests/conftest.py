@@ -8,8 +8,10 @@ that changes a setting of the whole machine is marked ``system_wide`` and runs a
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
+import importlib
 import os
 import shutil
 import signal
@@ -18,12 +20,17 @@ import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
-from _pytest.nodeid import NodeId
 
 from kvoffload import faults
 from tests.procs import TEST_TAG
+
+# pytest 9.2's node id; older pytests (vLLM's venv of `make vllm-hosted`) have none.
+NodeId: Any = None
+with contextlib.suppress(ImportError):
+    NodeId = importlib.import_module("_pytest.nodeid").NodeId
 
 SHM = Path("/dev/shm")
 
@@ -63,7 +70,11 @@ def _keep_xdist_group(item: pytest.Item) -> None:
     if not names:
         return
     suffix = "@" + "_".join(sorted(names))
-    if not item.nodeid.endswith(suffix) and isinstance(getattr(item, "_id", None), NodeId):
+    if (
+        NodeId is not None
+        and not item.nodeid.endswith(suffix)
+        and isinstance(getattr(item, "_id", None), NodeId)
+    ):
         item._id = NodeId.parse(item.nodeid + suffix)
     if not item.nodeid.endswith(suffix):
         raise pytest.UsageError(f"{item.nodeid}: this pytest and pytest-xdist do not keep xdist_group")

@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import socket
+import subprocess
 import sys
 import textwrap
 import threading
@@ -581,4 +582,43 @@ def test_the_fault_matrix_over_vllms_p2p_tier_leaves_nothing(engine_id: str, roo
         (stage, mode, Verdict.CONTRACT_HELD) for stage in stages for mode in ("raise", "cleanup-raise")
     ]
     assert report.leaked == 0
+    assert list(root.iterdir()) == []
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    "point", ["secondary.p2p.data", "secondary.p2p.control", "cleanup.secondary.p2p.control"]
+)
+def test_shmctl_init_fails_a_real_bring_up_at_each_p2p_point_and_leaves_nothing(
+    root: Path, point: str
+) -> None:
+    """The command operators run, in vLLM's own venv (typer 0.29 there): the original error,
+    the contract held, nothing in the root. (The object tier needs NIXL to be built at all.)"""
+    tiers = [{"type": "p2p", "host": "127.0.0.1", "port": free_port()}]
+    config = {
+        "engine_id": f"hosted-{point.replace('.', '-')}-{os.getpid()}",
+        "kv_connector_extra_config": {
+            "spec_name": TIERING,
+            "cpu_bytes_to_use": 8 * PAGESIZE,
+            "secondary_tiers": tiers,
+        },
+    }
+    argv = [
+        "init",
+        "--kv-transfer-config",
+        json.dumps(config),
+        "--kv-bytes-per-block",
+        str(KV_BYTES_PER_BLOCK),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "shmctl", *argv, "--root", str(root), "--fail-at", point, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["verdict"], report["fault"]["fired_in"]) == ("contract-held", ["scheduler"])
+    assert (report["error"]["injected"], report["error"]["point"]) == (True, point)
     assert list(root.iterdir()) == []
