@@ -91,6 +91,7 @@ from kvoffload.liveness.scan import (
     open_probe_fd,
     open_root,
     scan,
+    uids_text,
 )
 from kvoffload.shm import mounts
 
@@ -810,17 +811,13 @@ def settle_parked(
                 held = None
                 if remove and foreign and not remove_others:
                     remove = False
-                    held = f"{_uids_text(foreign)}: another user's region is removed only with --all-users"
+                    held = f"{uids_text(foreign)}: another user's region is removed only with --all-users"
                 for e in files:
                     _settle_parked(dir_fd, park_fd, name, e, remove, removed, kept, restored, held)
             with contextlib.suppress(OSError):
                 park.remove_if_empty(dir_fd, name, park_fd)
         finally:
             os.close(park_fd)
-
-
-def _uids_text(uids: Sequence[int]) -> str:
-    return f"uid {uids[0]}" if len(uids) == 1 else "uids " + ", ".join(map(str, uids))
 
 
 def _by_engine(entries: Iterable[ScanEntry]) -> dict[str, list[ScanEntry]]:

@@ -44,7 +44,7 @@ import functools
 import os
 import stat
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -1099,3 +1099,8 @@ def _taken_by(dir_fd: int, name: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+def uids_text(uids: Sequence[int]) -> str:
+    """``uid 1000`` or ``uids 1000, 1001``: the owners a message names."""
+    return f"uid {uids[0]}" if len(uids) == 1 else "uids " + ", ".join(map(str, uids))

@@ -76,7 +76,15 @@ from kvoffload.liveness import lease
 from kvoffload.liveness import reap as reaping
 from kvoffload.liveness.holders import HolderIndex, collect_holders
 from kvoffload.liveness.park import PARK_PREFIX
-from kvoffload.liveness.scan import DEFAULT_ROOT, ParkView, ScanEntry, ScanStream, ScanSummary, Status
+from kvoffload.liveness.scan import (
+    DEFAULT_ROOT,
+    ParkView,
+    ScanEntry,
+    ScanStream,
+    ScanSummary,
+    Status,
+    uids_text,
+)
 from kvoffload.shm import mounts
 
 __all__ = [
@@ -1076,7 +1084,7 @@ class Watcher:
         told.add(key)
         if key in state.others:
             return
-        owners = f"uid {uids[0]}" if len(uids) == 1 else "uids " + ", ".join(map(str, uids))
+        owners = uids_text(uids)
         self._emit(
             KeptOtherUser(
                 self._clock(),

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvoffload.liveness.scan import Evidence, ScanEntry, ScanReport, ScanSummary, Status
+from kvoffload.liveness.scan import Evidence, ScanEntry, ScanReport, ScanSummary, Status, uids_text
 from shmctl.render import (
     Cell,
     Column,
@@ -318,7 +318,7 @@ def _reap_rows(
 
 
 def _other_user_reason(row: _Row) -> str:
-    owners = _uids_text(_foreign_uids(row.entries))
+    owners = uids_text(_foreign_uids(row.entries))
     return f"{owners}, not yours: removed only with --all-users; {row.first.reason}"
 
 
@@ -326,10 +326,6 @@ def _foreign_uids(entries: Iterable[ScanEntry]) -> list[int]:
     """The owners of ``entries`` other than us (a region left whole may hold a file of ours)."""
     euid = os.geteuid()
     return sorted({e.uid for e in entries if e.uid != euid})
-
-
-def _uids_text(uids: Sequence[int]) -> str:
-    return f"uid {uids[0]}" if len(uids) == 1 else "uids " + ", ".join(map(str, uids))
 
 
 def _other_users_note(report: ReapReport, *, exact: bool) -> str:
@@ -340,7 +336,7 @@ def _other_users_note(report: ReapReport, *, exact: bool) -> str:
     uids = _foreign_uids(left)
     resident = amount_text(sum(e.resident_bytes for e in left), exact=exact)
     return (
-        f"left {len(left)} orphaned file(s) of other users ({_uids_text(uids)}), {resident} resident: "
+        f"left {len(left)} orphaned file(s) of other users ({uids_text(uids)}), {resident} resident: "
         "pass --all-users to remove them"
     )
 
