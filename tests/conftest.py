@@ -49,6 +49,41 @@ def pytest_configure(config: pytest.Config) -> None:
     for signum in (signal.SIGINT, signal.SIGHUP):
         if signal.getsignal(signum) is signal.SIG_IGN:
             signal.signal(signum, _still_ignored)
+    if not hasattr(config, "workerinput"):  # the session's own process, not an xdist worker
+        config.stash[_UNNAMED_AT_START] = _unnamed_regions()
+
+
+#: Region files in /dev/shm that no test session named (no ``kvtest-`` tag), at the start.
+_UNNAMED_AT_START = pytest.StashKey[set[str]]()
+
+
+def _unnamed_regions() -> set[str]:
+    """Region names in /dev/shm without any session's tag: a real engine's, or a test's that
+    named its engine without the ``engine_id`` fixture (which the per-test checks cannot see)."""
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith("vllm_offload_") and "kvtest-" not in n}
+    except OSError:
+        return set()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_UNNAMED_AT_START, None)
+    if before is None:
+        return
+    new = sorted(_unnamed_regions() - before)
+    if new:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(
+                f"/dev/shm gained {len(new)} region file(s) no test named with its tag: "
+                + ", ".join(new[:5])
+                + (" ..." if len(new) > 5 else "")
+                + " (a test that names an engine without the engine_id fixture, or an engine "
+                "started on this host meanwhile)",
+                red=True,
+            )
+        if session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _turn(item: pytest.Item) -> int:

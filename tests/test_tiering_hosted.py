@@ -590,13 +590,13 @@ def test_the_fault_matrix_over_vllms_p2p_tier_leaves_nothing(engine_id: str, roo
     "point", ["secondary.p2p.data", "secondary.p2p.control", "cleanup.secondary.p2p.control"]
 )
 def test_shmctl_init_fails_a_real_bring_up_at_each_p2p_point_and_leaves_nothing(
-    root: Path, point: str
+    engine_id: str, root: Path, point: str
 ) -> None:
     """The command operators run, in vLLM's own venv (typer 0.29 there): the original error,
     the contract held, nothing in the root. (The object tier needs NIXL to be built at all.)"""
     tiers = [{"type": "p2p", "host": "127.0.0.1", "port": free_port()}]
     config = {
-        "engine_id": f"hosted-{point.replace('.', '-')}-{os.getpid()}",
+        "engine_id": engine_id,
         "kv_connector_extra_config": {
             "spec_name": TIERING,
             "cpu_bytes_to_use": 8 * PAGESIZE,
