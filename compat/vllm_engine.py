@@ -33,6 +33,10 @@
      --yes`` remove exactly those, keeping the bystander's live region.
    - ``vllm-own-spec``: vLLM's own ``CPUOffloadingSpec`` under ``shmctl audit``: on CPU it
      refuses at engine start; the refusal and a clean audit are the expected result.
+   - ``init-vllm``: ``shmctl init --engine vllm --json`` twice: the CPU spec without a fault
+     (verdict ok, the round trip through the region, exit 0), and the tiering spec with
+     ``--fail-at secondary`` (verdict contract-held, the fault fired in the scheduler, no
+     residue, no engine process left, exit 0); each report valid against the init schema.
 4. Prints the table (scenario, expected, got, pass) and writes it with the versions to
    ``<work>/results.md`` (and ``results.json``).
 
@@ -134,6 +138,7 @@ def scenario_names() -> list[str]:
     names += [f"fault-tiering-{p}" for p in (*TIERING_ONLY, "manager")]
     names += [f"kill-{role}" for role in ROLES]
     names.append("vllm-own-spec")
+    names.append("init-vllm")
     return names
 
 
@@ -703,6 +708,69 @@ def kill(args: argparse.Namespace, name: str, role: str) -> list[Row]:
     return [Row(name, expected, got, judged and exact)]
 
 
+def init_vllm(args: argparse.Namespace, name: str) -> list[Row]:
+    """``shmctl init --engine vllm``: no fault (ok), then ``--fail-at secondary`` (contract held)."""
+    runs: tuple[tuple[str, str, list[str], str], ...] = (
+        ("ok", "cpu", [], "ok"),
+        ("fail-at-secondary", "tiering", ["--fail-at", "secondary"], "contract-held"),
+    )
+    rows = []
+    for label, spec, more, verdict in runs:
+        extra = kv_transfer_config(spec, "unused")["kv_connector_extra_config"]
+        config = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
+        for key in ("spec_module_path", "spec_name"):
+            config["kv_connector_extra_config"].pop(key, None)
+        if spec == "tiering":
+            config["kv_connector_extra_config"]["spec_name"] = "TieringOffloadingSpec"
+        argv = [sys.executable, "-m", "shmctl", "init", "--engine", "vllm", "--model", str(args.model)]
+        argv += ["--kv-transfer-config", json.dumps(config), "--json", *more]
+        done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=2 * ENGINE_TIMEOUT_S)
+        try:
+            report = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            rows.append(
+                Row(
+                    f"{name}: {label}",
+                    f"verdict {verdict}",
+                    f"exit {done.returncode}: {done.stderr[-300:]}",
+                    False,
+                )
+            )
+            continue
+        schema_error = _init_schema_error(report)
+        engine = report.get("vllm") or {}
+        fault = report.get("fault") or {}
+        left = [p["title"] for p in engine.get("processes_left", [])]
+        got = (
+            f"exit {done.returncode}, verdict {report['verdict']}"
+            + (f", fired in {fault.get('fired_in')}" if fault else "")
+            + (f", round trip {engine['roundtrip']}" if engine.get("roundtrip") else "")
+            + f", residue {[Path(p).name for p in report['residue']['paths']] or 'none'}"
+            + f", processes left {left or 'none'}, files left {regions()}"
+            + ("" if schema_error is None else f", schema: {schema_error}")
+        )
+        ok = report["verdict"] == verdict and done.returncode == 0 and not regions() and not left
+        ok = ok and schema_error is None and not others_in_my_group()
+        if fault:
+            ok = ok and fault.get("fired_in") == ["scheduler"]
+        rows.append(Row(f"{name}: {label}", f"verdict {verdict}, exit 0, nothing left", got, ok))
+    return rows
+
+
+def _init_schema_error(report: Any) -> str | None:
+    """The init schema's complaint about ``report``, or None (jsonschema is optional here)."""
+    try:
+        sys.path.insert(0, str(REPO))
+        from tests.schemas import validate
+    except ImportError:
+        return None
+    try:
+        validate(report, "init")
+    except Exception as e:
+        return str(e).splitlines()[0][:200]
+    return None
+
+
 def scenario_main(args: argparse.Namespace) -> int:
     name: str = args.name
     rows: list[Row]
@@ -717,6 +785,8 @@ def scenario_main(args: argparse.Namespace) -> int:
         rows = kill(args, name, name.removeprefix("kill-"))
     elif name == "vllm-own-spec":
         rows = vllm_own_spec(args, name)
+    elif name == "init-vllm":
+        rows = init_vllm(args, name)
     else:
         raise SystemExit(f"unknown scenario {name}")
     Path(args.out).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))

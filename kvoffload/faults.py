@@ -17,7 +17,11 @@ not fire (fail-rs/gofail/fail(9) share this grammar). Actions:
 
 Configuration comes from the API (``configure``/``cfg``) or the environment variable
 ``KVOFFLOAD_FAILPOINTS="secondary=raise;region.populate=oserror(14)"`` (seed in
-``KVOFFLOAD_FAILPOINTS_SEED``). Unknown point names are rejected with the list: a
+``KVOFFLOAD_FAILPOINTS_SEED``). ``KVOFFLOAD_FAILPOINTS_JOURNAL=FILE`` makes every process
+that reads the variable append one JSON line to FILE the first time each point fires in it,
+and every time a point raises or crashes (written before the action runs, so a crash is on
+record): how ``shmctl init --engine vllm`` learns which engine process passed which stage
+and where its fault fired, from processes vLLM starts. Unknown point names are rejected with the list: a
 typo must not silently test nothing. The registry below is data: the CLI, docs,
 completions and the matrix tests all read it, so a new point is tested the day it
 is added.
@@ -41,6 +45,7 @@ from kvoffload.errors import FaultSpecError, InjectedFault
 
 ENV_VAR = "KVOFFLOAD_FAILPOINTS"
 SEED_ENV_VAR = "KVOFFLOAD_FAILPOINTS_SEED"
+JOURNAL_ENV_VAR = "KVOFFLOAD_FAILPOINTS_JOURNAL"
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +255,8 @@ class _State:
 
 
 _state = _State()
+#: ``KVOFFLOAD_FAILPOINTS_JOURNAL``: where firings are recorded, or None.
+_journal: str | None = None
 #: Fast path: empty means no point is configured, and ``point`` returns at once.
 _active: dict[str, list[Term]] = {}
 
@@ -304,7 +311,9 @@ def _format_term(t: Term) -> str:
 
 
 def configure_from_env(environ: Mapping[str, str] = os.environ) -> None:
-    """Load ``KVOFFLOAD_FAILPOINTS`` (and its seed); unset leaves every point off."""
+    """Load ``KVOFFLOAD_FAILPOINTS`` (its seed and its journal); unset leaves every point off."""
+    global _journal
+    _journal = environ.get(JOURNAL_ENV_VAR) or None
     text = environ.get(ENV_VAR, "")
     seed_text = environ.get(SEED_ENV_VAR)
     try:
@@ -353,7 +362,33 @@ def _fire(name: str) -> None:
         if chosen is None or chosen.action == "off":
             return
         _state.hits[name] = _state.hits.get(name, 0) + 1
+        first = _state.hits[name] == 1
+    if _journal is not None and (first or chosen.action in ("raise", "oserror", "crash")):
+        _record(_journal, name, chosen)
     _run(name, chosen)
+
+
+def _record(path: str, name: str, term: Term) -> None:
+    """One line in the journal; a journal that cannot be written never changes the outcome."""
+    import json
+
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            title = f.read(200).split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        title = ""
+    line = {"point": name, "action": _format_term(term), "pid": os.getpid(), "title": title, "t": time.time()}
+    data = (json.dumps(line) + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        os.write(fd, data)  # one write under PIPE_BUF with O_APPEND: lines of processes never interleave
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _run(name: str, term: Term) -> None:

@@ -169,6 +169,47 @@ class CrashInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineProcess:
+    """One process of a real vLLM engine, as ``/proc`` named it (vLLM sets its title)."""
+
+    participant: str  # "client", "scheduler" (the EngineCore), "worker R"
+    pid: int
+    title: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRoundtrip:
+    """A prompt, ``reset_prefix_cache()``, the same prompt: what the connector moved."""
+
+    store_bytes: int
+    load_bytes: int
+    external_hits: int
+    same_tokens: bool
+
+
+@dataclass(frozen=True, slots=True)
+class VllmEngineInfo:
+    """``init --engine vllm``: the real engine the rehearsal ran, and what it left running."""
+
+    model: str
+    version: str | None
+    #: The ``--kv-transfer-config`` the engine got (kvoffload's spec through ``spec_module_path``).
+    kv_transfer_config: str
+    #: ``KVOFFLOAD_FAILPOINTS`` in every engine process's environment (markers included).
+    failpoints: str
+    processes: tuple[EngineProcess, ...]
+    up_s: float | None
+    #: Participants that had this engine's region mapped once the engine was up.
+    region_mapped_by: tuple[str, ...]
+    roundtrip: EngineRoundtrip | None
+    exit_code: int | None
+    #: Engine processes still running after the client exited (killed by the parent then).
+    processes_left: tuple[EngineProcess, ...]
+    #: The engine's last log lines when it did not come up or did not end cleanly.
+    log_tail: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class InitReport:
     schema_version: int
     engine_id: str
@@ -190,6 +231,9 @@ class InitReport:
     duration_s: float
     verdict: Verdict
     warnings: tuple[str, ...]
+    #: Whose processes ran the bring-up: ``kvoffload`` (its own participants) or ``vllm``.
+    engine: str = "kvoffload"
+    vllm: VllmEngineInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)

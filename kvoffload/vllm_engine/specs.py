@@ -38,6 +38,7 @@ from kvoffload.vllm_engine.translate import (
     EngineTypes,
     EngineWorker,
     region_lifetime,
+    region_root,
     shared_region_choice,
     to_engine_metrics,
     to_kvoffload_caches,
@@ -73,6 +74,7 @@ class _KvoffloadSpec(_VllmSpec):  # type: ignore[misc]
             to_kvoffload_config(config),
             shared_region=shared_region_choice(),
             lifetime=region_lifetime(config.extra_config),
+            root=region_root(config.extra_config),
         )
         self.replicated_layout = self.spec.replicated_layout
         self._engine_manager: _Manager | None = None

@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from kvoffload import base
@@ -141,6 +142,21 @@ def region_lifetime(extra_config: Mapping[str, Any]) -> Lifetime:
             fix="leave it out, or give kvoffload or vllm",
         )
     return cast(Lifetime, lifetime)
+
+
+def region_root(extra_config: Mapping[str, Any]) -> Path:
+    """``kvoffload_root`` of the extra config: the directory the region is created in (/dev/shm).
+
+    ``shmctl init --engine vllm --root DIR`` sets it, so a rehearsal can run in a private tmpfs.
+    """
+    root = extra_config.get("kvoffload_root", "/dev/shm")
+    if not isinstance(root, str) or not root:
+        raise ConfigError(
+            "kv_connector_extra_config.kvoffload_root",
+            f"must be a non-empty path, got {root!r}",
+            fix="leave it out (/dev/shm), or give the shm mount to create the region in",
+        )
+    return Path(root)
 
 
 # ----------------------------------------------------------------- vLLM -> kvoffload

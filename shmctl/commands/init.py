@@ -1,5 +1,8 @@
 """``shmctl init``: rehearse an engine's CPU KV-offload bring-up with vLLM's own config.
 
+``--engine vllm`` runs the same rehearsal with a real vLLM engine (``vllm.LLM`` with
+kvoffload's spec) as its participants, instead of kvoffload's own processes.
+
 Three modes, one library call each: ``--dry-run`` (the plan and a capacity pre-flight;
 nothing is allocated), a real bring-up in world-size worker processes and a scheduler
 process (optionally with a fault at a chosen stage), and ``--matrix`` (every stage x
@@ -45,6 +48,13 @@ def _complete_ranks(ctx: typer.Context, incomplete: str) -> list[str]:
     return [rank for rank in ranks if rank.startswith(incomplete)]
 
 
+ENGINES = ("kvoffload", "vllm")
+
+
+def complete_engines(incomplete: str) -> list[str]:
+    return [name for name in ENGINES if name.startswith(incomplete)]
+
+
 def complete_presets(incomplete: str) -> list[str]:
     from kvoffload.presets import PRESETS
 
@@ -79,8 +89,9 @@ def init(
         str | None,
         typer.Option(
             "--model",
-            metavar="PRESET",
-            help=f"Compute --kv-bytes-per-block for a well-known model: {' | '.join(PRESETS)}.",
+            metavar="MODEL",
+            help=f"Compute --kv-bytes-per-block for a well-known model: {' | '.join(PRESETS)}. "
+            "With --engine vllm: the local Hugging Face model directory the engine loads.",
             autocompletion=complete_presets,
         ),
     ] = None,
@@ -160,6 +171,24 @@ def init(
             "--timeout", metavar="DURATION", help="Kill a participant silent for this long (60s, 5m)."
         ),
     ] = "60s",
+    engine_kind: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            metavar="kvoffload|vllm",
+            autocompletion=complete_engines,
+            help="Who runs the stages: kvoffload's own worker and scheduler processes, "
+            "or a real vLLM engine (vllm.LLM) loaded with kvoffload's spec.",
+        ),
+    ] = "kvoffload",
+    start_timeout: Annotated[
+        str,
+        typer.Option(
+            "--start-timeout",
+            metavar="DURATION",
+            help="With --engine vllm: kill an engine not up after this long (5m, 300s).",
+        ),
+    ] = "300s",
     json_output: JsonOption = False,
 ) -> None:
     """Plan, bring up and tear down CPU KV offload the way vLLM does, with faults at any stage."""
@@ -173,7 +202,16 @@ def init(
 
     if lifetime not in ("kvoffload", "vllm"):
         raise ConfigError("--lifetime", f"{lifetime!r} is neither 'kvoffload' nor 'vllm'")
+    if engine_kind not in ENGINES:
+        raise ConfigError("--engine", f"{engine_kind!r} is neither 'kvoffload' nor 'vllm'")
     check_world_size(world_size)
+    model_dir: str | None = None
+    if engine_kind == "vllm":
+        from kvoffload.vllm_engine.bringup import model_kv_bytes_per_block, vllm_usage
+
+        vllm_usage(model=model, kv_bytes_per_block=kv_bytes_per_block, matrix=matrix)
+        model_dir, model = model, None
+        kv_bytes_per_block = model_kv_bytes_per_block(model_dir or "", gpu_block_size, world_size)
     config = load_config(
         kv_transfer_config=kv_transfer_config,
         config_file=config_file,
@@ -196,6 +234,7 @@ def init(
     if matrix and (dry_run or hold):
         raise ConfigError("--matrix", "cannot be combined with --dry-run or --hold")
     idle_timeout_s = parse_duration(timeout, option="--timeout")
+    start_timeout_s = parse_duration(start_timeout, option="--start-timeout")
     if not json_output:
         render.warnings(config.warnings)
 
@@ -224,6 +263,26 @@ def init(
         if report.leaked:
             raise typer.Exit(ExitStatus.FINDINGS)
         raise typer.Exit(ExitStatus.RUNTIME if report.failed or report.stopped else ExitStatus.OK)
+
+    if model_dir is not None:
+        from kvoffload.vllm_engine.bringup import bring_up_vllm
+
+        starting = f"starting vLLM ({model_dir}) with kvoffload's spec for engine {config.engine_id}"
+        with render.progress(json_output=json_output, starting=starting):
+            result = bring_up_vllm(
+                config,
+                model=model_dir,
+                fail_at=fail_at or (),
+                fail_mode=modes[0] if modes else "raise",
+                target_rank=target,
+                seed=seed,
+                roundtrip=roundtrip,
+                hold=render.announce_hold if hold else None,
+                start_timeout_s=start_timeout_s,
+                idle_timeout_s=idle_timeout_s,
+            )
+        render.init_report(result, json_output=json_output)
+        raise typer.Exit(EXIT_STATUS[str(result.verdict)])
 
     starting = f"starting {world_size} worker(s) and the scheduler for engine {config.engine_id}"
     with render.progress(json_output=json_output, starting=starting) as on_progress:

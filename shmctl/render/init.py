@@ -30,7 +30,14 @@ from shmctl.render import (
 
 if TYPE_CHECKING:
     from kvoffload.engine import InitPlan, InitReport, LiveEngine, MatrixCell, MatrixReport, ProgressEvent
-    from kvoffload.engine.report import ErrorInfo, KeptFile, MatrixStop, Residue, StageResult
+    from kvoffload.engine.report import (
+        ErrorInfo,
+        KeptFile,
+        MatrixStop,
+        Residue,
+        StageResult,
+        VllmEngineInfo,
+    )
 
 VERDICT_TEXT = {
     "ok": "up and down cleanly; nothing left behind",
@@ -288,10 +295,13 @@ def init_report(report: InitReport, *, json_output: bool) -> None:
         fired = f"fired in {', '.join(r.fault.fired_in)}" if r.fault.fired else "did not fire"
         seed = f", seed {r.fault.seed}" if r.fault.seed is not None else ""
         fault = f"; fault {r.fault.mode} at {', '.join(r.fault.stages)} in {r.fault.target} ({fired}{seed})"
+    runner = ", in a vLLM engine" if r.engine == "vllm" else ""
     _line(
-        f"engine {r.engine_id}: {r.spec}, world size {r.world_size}, lifetime {r.lifetime}, "
+        f"engine {r.engine_id}: {r.spec}{runner}, world size {r.world_size}, lifetime {r.lifetime}, "
         f"device {r.device or '-'}{fault}",
     )
+    if r.vllm is not None:
+        _vllm_engine(r.vllm)
     # The points each stage passed are long: last, where a terminal may wrap them.
     columns = ("participant", "stage", "start", "time", "bytes", "result", "detail", "points passed")
     _section(
@@ -353,6 +363,35 @@ def init_report(report: InitReport, *, json_output: bool) -> None:
         f"verdict: {verdict}: {VERDICT_TEXT.get(verdict, '')} ({r.duration_s:.2f}s)",
         VERDICT_STYLE.get(verdict),
     )
+
+
+def _vllm_engine(v: VllmEngineInfo) -> None:
+    """``--engine vllm``: the engine, its processes, the region's holders and the round trip."""
+    up = f"up in {v.up_s:.1f}s" if v.up_s is not None else "did not come up"
+    _line(f"vLLM {v.version or '?'} with kvoffload's spec, model {v.model}: {up}")
+    _section(
+        "engine processes",
+        ("participant", "pid", "title", "mapped the region"),
+        [
+            (p.participant, p.pid, p.title, "yes" if p.participant in v.region_mapped_by else "-")
+            for p in v.processes
+        ],
+    )
+    if v.roundtrip is not None:
+        rt = v.roundtrip
+        same = "same tokens" if rt.same_tokens else "DIFFERENT tokens"
+        _line(
+            f"round trip: stored {human_bytes(rt.store_bytes)}, loaded {human_bytes(rt.load_bytes)}, "
+            f"{rt.external_hits} prompt tokens from the region after reset_prefix_cache(), {same}"
+        )
+    if v.processes_left:
+        _line(
+            "left running after the client exited (killed): "
+            + ", ".join(f"{p.participant} pid {p.pid} ({p.title})" for p in v.processes_left),
+            "bold red",
+        )
+    if v.log_tail:
+        _section("engine log (last lines)", ("line",), [(line,) for line in v.log_tail])
 
 
 def _result(stage: StageResult) -> str:
