@@ -50,6 +50,10 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("shmctl init --config engine.json --model llama-3-8b --hold", "up until Ctrl-C or SIGTERM"),
         ("shmctl init --config engine.json --model llama-3-8b --matrix", "every stage x every mode"),
         ('shmctl init --kv-transfer-config "$KV_CONFIG" --model llama-3-8b', "vLLM's JSON, verbatim"),
+        (
+            "shmctl init --config engine.json --engine vllm --model ./model --fail-at secondary",
+            "inside a real vLLM engine",
+        ),
     ),
     "faults": (
         ("shmctl faults", "every point, in stage order"),
