@@ -566,6 +566,8 @@ def test_a_p2p_shutdown_whose_control_plane_fails_still_closes_its_data_plane(
 
 
 @needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # ten real bring-ups, each importing vLLM's tier in its participants
 def test_the_fault_matrix_over_vllms_p2p_tier_leaves_nothing(engine_id: str, root: Path) -> None:
     """Real bring-ups (worker and scheduler processes) with vLLM's p2p tier: a real ZMQ socket
     and context; NIXL is absent here, so its data plane stays unavailable, as vLLM allows."""
@@ -586,6 +588,7 @@ def test_the_fault_matrix_over_vllms_p2p_tier_leaves_nothing(engine_id: str, roo
 
 
 @needs_vllm
+@pytest.mark.timeout(600)  # a bring-up whose participants import vLLM, under whatever load
 @pytest.mark.parametrize(
     "point", ["secondary.p2p.data", "secondary.p2p.control", "cleanup.secondary.p2p.control"]
 )

