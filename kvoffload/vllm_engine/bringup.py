@@ -448,12 +448,16 @@ class _VllmBringUp:
     def _kill_group(self) -> None:
         assert self.engine is not None
         engine = self.engine
-        for pid, title in _group(engine.pid).items():
+        members = _group(engine.pid)
+        for pid, title in members.items():
             engine.seen.setdefault(pid, title)
             self.killed.append(_participant(pid, title, engine.pid))
             self._step(f"SIGKILL {_participant(pid, title, engine.pid)} (pid {pid}, {title})")
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(engine.pid, signal.SIGKILL)
+        # A group id stays taken while a member lives or its leader is unreaped; once the group is
+        # empty and the leader reaped, the number may be a new process's group: never signal it.
+        if members or engine.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(engine.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             engine.process.wait(5.0)
         deadline = time.monotonic() + 5.0
