@@ -625,3 +625,16 @@ def test_shmctl_init_fails_a_real_bring_up_at_each_p2p_point_and_leaves_nothing(
     assert (report["verdict"], report["fault"]["fired_in"]) == ("contract-held", ["scheduler"])
     assert (report["error"]["injected"], report["error"]["point"]) == (True, point)
     assert list(root.iterdir()) == []
+
+
+def test_event_fds_count_where_tiers_run_and_not_in_a_worker() -> None:
+    """A ZMQ context shows only as eventfds and an epoll; a worker's CUDA runtime may keep such
+    fds for the life of the process, so a worker's footprint counts sockets only."""
+    scheduler, worker = Footprint.now(), Footprint.now(event_fds=False)
+    fd = os.eventfd(0)
+    try:
+        assert left_running(scheduler, grace_s=0) == (f"fd anon_inode:[eventfd] (fd {fd})",)
+        assert left_running(worker, grace_s=0) == ()
+    finally:
+        os.close(fd)
+    assert left_running(scheduler, grace_s=0) == ()

@@ -111,7 +111,8 @@ def _forward_logs(child: _Participant) -> None:
 class _Participant:
     def __init__(self, conn: Connection, args: ParticipantArgs, barrier: Any | None) -> None:
         # Before anything of the bring-up exists: what is new after the release was left running.
-        self.footprint = Footprint.now()
+        # Sockets and threads everywhere; event fds (a ZMQ context's, say) only where tiers run.
+        self.footprint = Footprint.now(event_fds=args.role == SCHEDULER)
         self.conn = conn
         self.args = args
         self.barrier = barrier

@@ -346,10 +346,15 @@ class Footprint:
     #: handles a library's native threads poll (a ZMQ context holds eventfds and an epoll; its
     #: I/O threads are native, invisible to ``threading``, and go with the context).
     handles: frozenset[str]
+    #: Whether ``handles`` counts event fds (False: sockets only; see ``now``).
+    event_fds: bool = True
 
     @classmethod
-    def now(cls, proc_self: Path = Path("/proc/self")) -> Footprint:
-        return cls(frozenset(threading.enumerate()), frozenset(_handle_fds(proc_self)))
+    def now(cls, proc_self: Path = Path("/proc/self"), *, event_fds: bool = True) -> Footprint:
+        """``event_fds=False`` counts sockets only: a worker's accelerator runtime (CUDA) may keep
+        event fds for the life of the process, and no tier runs there."""
+        handles = frozenset(_handle_fds(proc_self, event_fds))
+        return cls(frozenset(threading.enumerate()), handles, event_fds)
 
 
 #: How long a thread or socket may take to go after the release returned (a thread told to
@@ -366,7 +371,7 @@ def left_running(
     """
     deadline = time.monotonic() + grace_s
     while True:
-        now = Footprint.now(proc_self)
+        now = Footprint.now(proc_self, event_fds=before.event_fds)
         threads = [t for t in now.threads - before.threads if t.is_alive()]
         sockets = sorted(now.handles - before.handles)
         left = time.monotonic() - deadline
@@ -386,7 +391,7 @@ def _name(thread: threading.Thread) -> str:
     return thread.name
 
 
-def _handle_fds(proc_self: Path) -> list[str]:
+def _handle_fds(proc_self: Path, event_fds: bool = True) -> list[str]:
     found: list[str] = []
     try:
         fds = os.listdir(proc_self / "fd")
@@ -399,7 +404,7 @@ def _handle_fds(proc_self: Path) -> list[str]:
             continue
         if target.startswith("socket:"):
             found.append(target)
-        elif target.startswith("anon_inode:"):
+        elif event_fds and target.startswith("anon_inode:"):
             found.append(f"{target} (fd {fd})")  # no inode to tell two apart: the fd does
     return found
 
