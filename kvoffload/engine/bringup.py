@@ -53,7 +53,7 @@ from kvoffload.engine.report import (
     LogLine,
     Residue,
     StageResult,
-    Verdict,
+    judge,
     measure_residue,
 )
 from kvoffload.errors import ConfigError, KvOffloadError
@@ -539,7 +539,13 @@ class _BringUp:
             logs=tuple(self.logs),
             held_s=self.held_s,
             duration_s=time.monotonic() - self.t0,
-            verdict=self._verdict(residue, primary, fault_info),
+            verdict=judge(
+                residue,
+                left_running=any(c.left_running for c in self.children),
+                primary=primary,
+                fault=fault_info,
+                crashed=None if self.crash is None else self.crash.injected,
+            ),
             warnings=self._warnings(fault_info),
         )
 
@@ -580,21 +586,6 @@ class _BringUp:
             reap_command=reap_command(root, engine) if residue else None,
             why_nothing_left=None if residue else _why_nothing_left(self.plan),
         )
-
-    def _verdict(
-        self, residue: Residue, primary: ErrorInfo | None, fault: InjectedFaultInfo | None
-    ) -> Verdict:
-        if self.crash is not None:
-            if residue:
-                return Verdict.ORPHANED
-            return Verdict.CONTRACT_HELD if self.crash.injected else Verdict.FAILED
-        if residue or any(c.left_running for c in self.children):
-            return Verdict.LEAKED
-        if primary is not None and not primary.injected:
-            return Verdict.FAILED
-        if fault is not None:
-            return Verdict.CONTRACT_HELD if fault.fired else Verdict.NOT_FIRED
-        return Verdict.OK
 
     def _warnings(self, fault: InjectedFaultInfo | None) -> tuple[str, ...]:
         warnings = list(self.plan.warnings)

@@ -305,6 +305,30 @@ class MatrixReport:
     stopped: MatrixStop | None = None
 
 
+def judge(
+    residue: Residue,
+    *,
+    left_running: bool,
+    primary: ErrorInfo | None,
+    fault: InjectedFaultInfo | None,
+    crashed: bool | None,
+) -> Verdict:
+    """A bring-up's verdict, whoever its participants were (kvoffload's processes or a vLLM
+    engine). ``crashed``: None without a crash, else whether the crash was the injected one;
+    ``left_running``: a participant still had threads, sockets or processes after its release."""
+    if crashed is not None:
+        if residue:
+            return Verdict.ORPHANED
+        return Verdict.CONTRACT_HELD if crashed else Verdict.FAILED
+    if residue or left_running:
+        return Verdict.LEAKED
+    if primary is not None and not primary.injected:
+        return Verdict.FAILED
+    if fault is not None:
+        return Verdict.CONTRACT_HELD if fault.fired else Verdict.NOT_FIRED
+    return Verdict.OK
+
+
 def held_handles(participant: str, engine_id: str, proc_self: Path = Path("/proc/self")) -> list[HeldHandle]:
     """This process's fds and mappings of ``engine_id``'s region files (deleted or not)."""
     base = names.format_name(engine_id)

@@ -56,9 +56,9 @@ from kvoffload.engine.report import (
     InjectedFaultInfo,
     Residue,
     StageResult,
-    Verdict,
     VllmEngineInfo,
     held_handles,
+    judge,
     measure_residue,
 )
 from kvoffload.errors import ConfigError
@@ -645,7 +645,13 @@ class _VllmBringUp:
             processes_left=tuple(self.processes_left),
             log_tail=self.log_tail,
         )
-        verdict = self._verdict(residue, primary, fault_info, crash)
+        verdict = judge(  # a crash here is always the injected one
+            residue,
+            left_running=bool(self.processes_left),
+            primary=primary,
+            fault=fault_info,
+            crashed=None if crash is None else True,
+        )
         return InitReport(
             schema_version=SCHEMA_VERSION,
             engine_id=self.config.engine_id,
@@ -795,23 +801,6 @@ class _VllmBringUp:
             else "the crash left nothing: the engine's other processes released the region, "
             "or no file existed yet",
         )
-
-    def _verdict(
-        self,
-        residue: Residue,
-        primary: ErrorInfo | None,
-        fault: InjectedFaultInfo | None,
-        crash: CrashInfo | None,
-    ) -> Verdict:
-        if crash is not None:
-            return Verdict.ORPHANED if residue else Verdict.CONTRACT_HELD
-        if residue or self.processes_left:
-            return Verdict.LEAKED
-        if primary is not None and not primary.injected:
-            return Verdict.FAILED
-        if fault is not None:
-            return Verdict.CONTRACT_HELD if fault.fired else Verdict.NOT_FIRED
-        return Verdict.OK
 
     def _warnings(self, fault: InjectedFaultInfo | None) -> tuple[str, ...]:
         warnings = list(self.plan.warnings)

@@ -17,6 +17,7 @@ one cell; 130 Ctrl-C.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated
 
@@ -264,29 +265,19 @@ def init(
             raise typer.Exit(ExitStatus.FINDINGS)
         raise typer.Exit(ExitStatus.RUNTIME if report.failed or report.stopped else ExitStatus.OK)
 
-    if model_dir is not None:
-        from kvoffload.vllm_engine.bringup import bring_up_vllm
-
+    # The same rehearsal, whoever its participants are: kvoffload's processes or a vLLM engine.
+    if model_dir is None:
+        starting = f"starting {world_size} worker(s) and the scheduler for engine {config.engine_id}"
+    else:
         starting = f"starting vLLM ({model_dir}) with kvoffload's spec for engine {config.engine_id}"
-        with render.progress(json_output=json_output, starting=starting):
-            result = bring_up_vllm(
-                config,
-                model=model_dir,
-                fail_at=fail_at or (),
-                fail_mode=modes[0] if modes else "raise",
-                target_rank=target,
-                seed=seed,
-                roundtrip=roundtrip,
-                hold=render.announce_hold if hold else None,
-                start_timeout_s=start_timeout_s,
-                idle_timeout_s=idle_timeout_s,
-            )
-        render.init_report(result, json_output=json_output)
-        raise typer.Exit(EXIT_STATUS[str(result.verdict)])
-
-    starting = f"starting {world_size} worker(s) and the scheduler for engine {config.engine_id}"
     with render.progress(json_output=json_output, starting=starting) as on_progress:
-        result = engine.bring_up(
+        if model_dir is None:
+            run = functools.partial(engine.bring_up, progress=on_progress)
+        else:
+            from kvoffload.vllm_engine.bringup import bring_up_vllm
+
+            run = functools.partial(bring_up_vllm, model=model_dir, start_timeout_s=start_timeout_s)
+        result = run(
             config,
             fail_at=fail_at or (),
             fail_mode=modes[0] if modes else "raise",
@@ -294,7 +285,6 @@ def init(
             seed=seed,
             roundtrip=roundtrip,
             hold=render.announce_hold if hold else None,
-            progress=on_progress,
             idle_timeout_s=idle_timeout_s,
         )
     render.init_report(result, json_output=json_output)
