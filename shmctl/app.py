@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
 import signal
 import sys
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any
 
 import typer
 import typer.core
 
 from kvoffload.errors import ConfigError, KvOffloadError
-from shmctl import helptext
-from shmctl.commands import register_all
+from shmctl import commands, helptext
 from shmctl.exit import ExitStatus
 from shmctl.render import error_line
 
@@ -85,11 +86,11 @@ class _Group(typer.core.TyperGroup):
     # as Interrupted, it reaches main() and its one line.
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # `--color` is the root's and every command's (`shmctl scan --color=never`, as ls and
-        # grep take it): one option object, not a parameter in each command's signature.
-        option = _color_option()  # stateless: one object serves every command
-        for command in self.commands.values():
-            command.params.append(option)
+        self.commands = _Commands(self.rich_markup_mode)
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        # typer's lists them through items(), which would build every one
+        return list(self.commands)
 
     def invoke(self, ctx: Any) -> Any:  # a click Context (typer vendors click in recent versions)
         try:
@@ -102,6 +103,36 @@ class _Group(typer.core.TyperGroup):
             raise  # a pipe of the library's own (a participant's, a command's): a real error
 
 
+class _Commands(Mapping[str, Any]):
+    """The root's commands by name, each built on first use (``shmctl.commands.build``).
+
+    Click looks a command up by name to run it, to complete its options, or to list it in
+    ``--help``; only what is looked up is imported and built.
+    """
+
+    def __init__(self, rich_markup_mode: Any) -> None:
+        self._markup = rich_markup_mode
+        self._built: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        command = self._built.get(name)
+        if command is None:
+            if name not in commands.MODULES:
+                raise KeyError(name)
+            command = self._built[name] = commands.build(name, rich_markup_mode=self._markup)
+            # `--color` is the root's and every command's (`shmctl scan --color=never`, as ls
+            # and grep take it): one option object, not a parameter in each command's signature.
+            command.params.append(_color_option())
+        return command
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(commands.MODULES)
+
+    def __len__(self) -> int:
+        return len(commands.MODULES)
+
+
+@functools.cache  # stateless: one object serves every command
 def _color_option() -> Any:
     # Declared as typer declares any option and taken from the command typer builds: the
     # option class's own constructor is private API that changed in typer 0.29 (it now needs
@@ -192,8 +223,6 @@ def _root(
 ) -> None:
     """Find, explain and safely reap vLLM KV-offload regions in /dev/shm."""
 
-
-register_all(app)
 
 
 def exit_status_for(error: BaseException) -> ExitStatus:

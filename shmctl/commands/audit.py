@@ -17,8 +17,6 @@ the report says why); the command's own status when it failed (exit code N, or 1
 killed by signal N); else 1 if it leaked, else 0. 2: a usage error, and then nothing was run.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated
 

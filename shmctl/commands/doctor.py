@@ -7,8 +7,6 @@ memory, reap could prove nothing, the textfile cannot be written), 2 usage (a ba
 unreadable), as for every command with --root.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated
 

@@ -1,7 +1,5 @@
 """``shmctl faults``: list every fault point in stage order."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

@@ -15,8 +15,6 @@ was not injected, a matrix cell failed, the matrix stopped early or its root can
 one cell; 130 Ctrl-C.
 """
 
-from __future__ import annotations
-
 import functools
 from pathlib import Path
 from typing import Annotated

@@ -9,8 +9,6 @@ error), written before the exit 3: the textfile of the last good run must not ou
 and keep vouching for a root nobody can read.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -85,7 +83,7 @@ def metrics(
     render.publish(exposition, textfile)
 
 
-def _disk_usage(root: Path) -> DiskUsage:
+def _disk_usage(root: Path) -> "DiskUsage":
     import shutil
 
     from kvoffload.errors import RootError

@@ -5,8 +5,6 @@ Exit status: 0 done (also when some items were kept, and for --dry-run), 2 usage
 neither a tmpfs nor a hugetlbfs without --any-filesystem, 130 Ctrl-C.
 """
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

@@ -4,8 +4,6 @@ Exit status: 0 nothing orphaned, 1 orphans found (or files a dead reap left park
 3 the root cannot be read.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated
 

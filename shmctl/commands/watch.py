@@ -8,8 +8,6 @@ exist, ``--listen`` address or port in use, ``--reap`` with one pass: before any
 scanned). A root's trouble is an event, never an exit.
 """
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer
