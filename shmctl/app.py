@@ -14,7 +14,7 @@ import functools
 import io
 import signal
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, MutableMapping
 from typing import Annotated, Any
 
 import typer
@@ -103,21 +103,22 @@ class _Group(typer.core.TyperGroup):
             raise  # a pipe of the library's own (a participant's, a command's): a real error
 
 
-class _Commands(Mapping[str, Any]):
+class _Commands(MutableMapping[str, Any]):
     """The root's commands by name, each built on first use (``shmctl.commands.build``).
 
     Click looks a command up by name to run it, to complete its options, or to list it in
-    ``--help``; only what is looked up is imported and built.
+    ``--help``; only what is looked up is imported and built. ``add_command`` still works.
     """
 
     def __init__(self, rich_markup_mode: Any) -> None:
         self._markup = rich_markup_mode
+        self._names = list(commands.MODULES)
         self._built: dict[str, Any] = {}
 
     def __getitem__(self, name: str) -> Any:
         command = self._built.get(name)
         if command is None:
-            if name not in commands.MODULES:
+            if name not in self._names:
                 raise KeyError(name)
             command = self._built[name] = commands.build(name, rich_markup_mode=self._markup)
             # `--color` is the root's and every command's (`shmctl scan --color=never`, as ls
@@ -125,11 +126,20 @@ class _Commands(Mapping[str, Any]):
             command.params.append(_color_option())
         return command
 
+    def __setitem__(self, name: str, command: Any) -> None:
+        if name not in self._names:
+            self._names.append(name)
+        self._built[name] = command
+
+    def __delitem__(self, name: str) -> None:
+        self._names.remove(name)
+        self._built.pop(name, None)
+
     def __iter__(self) -> Iterator[str]:
-        return iter(commands.MODULES)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(commands.MODULES)
+        return len(self._names)
 
 
 @functools.cache  # stateless: one object serves every command
@@ -222,7 +232,6 @@ def _root(
     ] = "auto",
 ) -> None:
     """Find, explain and safely reap vLLM KV-offload regions in /dev/shm."""
-
 
 
 def exit_status_for(error: BaseException) -> ExitStatus:
