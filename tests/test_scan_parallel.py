@@ -238,12 +238,64 @@ def test_an_interrupted_scan_kills_and_reaps_its_child() -> None:
     assert gone(children[0])
 
 
-def test_the_child_answers_for_every_item_in_order() -> None:
+def _logged(log: Path, pause_in_child_s: float = 0.0) -> Callable[[int], tuple[int, int]]:
+    """A probe that appends "pid item" to ``log`` (O_APPEND: one whole line per write)."""
     parent = os.getpid()
-    with prober.start(range(2000), lambda i: (i, os.getpid() != parent), parallel=True) as probing:
+
+    def probe(item: int) -> tuple[int, int]:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{os.getpid()} {item}\n".encode())
+        finally:
+            os.close(fd)
+        if os.getpid() != parent:
+            time.sleep(pause_in_child_s)
+        return item, os.getpid()
+
+    return probe
+
+
+def _probed(log: Path) -> list[tuple[int, int]]:
+    return [(int(pid), int(item)) for pid, item in (line.split() for line in log.read_text().splitlines())]
+
+
+def test_parent_and_child_share_the_items_and_probe_each_exactly_once(tmp_path: Path) -> None:
+    log = tmp_path / "probes"
+    count = prober.RUN * 12
+    # The child is slowed down so that the parent, once it asks for results, surely claims runs.
+    with prober.start(range(count), _logged(log, 0.0005), parallel=True) as probing:
+        (child,) = probing.pids
         answers = probing.results()
     assert probing.parallel
-    assert answers == [(i, True) for i in range(2000)]
+    assert [item for item, _ in answers] == list(range(count))
+    probed = _probed(log)
+    assert sorted(item for _, item in probed) == list(range(count))  # each once, none skipped
+    assert dict((item, pid) for pid, item in probed) == dict(answers)  # each answer is its prober's
+    assert {pid for _, pid in answers} == {os.getpid(), child}
+
+
+def test_runs_a_killed_child_had_claimed_are_probed_by_the_parent_once(tmp_path: Path) -> None:
+    log = tmp_path / "probes"
+    count = prober.RUN * 8
+    with prober.start(range(count), _logged(log, 60), parallel=True) as probing:
+        (child,) = probing.pids
+        deadline = time.monotonic() + 30
+        while not log.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the child has claimed a run and is inside its first probe
+        os.kill(child, signal.SIGKILL)
+        answers = probing.results()
+    assert not probing.parallel
+    assert answers == [(i, os.getpid()) for i in range(count)]
+    parent_probes = sorted(item for pid, item in _probed(log) if pid == os.getpid())
+    assert parent_probes == list(range(count))
+    assert gone(child)
+
+
+def test_a_huge_list_is_claimed_in_runs_that_fit_one_page_of_pipe() -> None:
+    runs = prober._runs(5_000_000)
+    assert len(runs) <= prober._MAX_RUNS
+    assert [i for span in runs[:2] for i in span] == list(range(2 * len(runs[0])))
+    assert runs[-1].stop == 5_000_000
 
 
 def test_a_threaded_process_never_forks_to_probe() -> None:
