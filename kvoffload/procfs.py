@@ -41,9 +41,25 @@ def parse_stat(pid: int, text: str) -> ProcStat:
     return ProcStat(pid=pid, comm=comm, state=rest[0], ppid=int(rest[1]), start_ticks=int(rest[19]))
 
 
+def read_text(path: str) -> str:
+    """A ``/proc`` file's whole text: ``open``, ``read`` to the end, ``close``, nothing more.
+
+    Python's text files cost nine syscalls to open and read one (two ``fstat``, a tty
+    ``ioctl``, two ``lseek``): a third of the time of reading 2,000 processes' ``stat``.
+    Undecodable bytes (a ``comm`` or a path anyone may name) become ``surrogateescape``.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", "surrogateescape")
+
+
 def read_stat(pid: int, proc_root: Path = PROC_ROOT) -> ProcStat:
-    with open(proc_root / str(pid) / "stat", encoding="utf-8", errors="surrogateescape") as f:
-        return parse_stat(pid, f.read())
+    return parse_stat(pid, read_text(f"{proc_root}/{pid}/stat"))
 
 
 def live_thread(pid: int, proc_root: Path = PROC_ROOT) -> int | None:

@@ -1,4 +1,4 @@
-"""``make bench``'s harness and its scan and reap scripts, at toy sizes.
+"""``make bench``'s harness and its scan, reap and agent scripts, at toy sizes.
 
 The harness merges every script's rows into one JSON document and one table, reports a script
 that fails or leaves a directory behind, and on Ctrl-C stops the running script, which
@@ -35,6 +35,9 @@ TINY = [
     "--args",
     "reap=--files 40 --repeat 1",
 ]
+AGENT_TINY = ["--args", "agent=--pods 5 --processes +50 --repeat 2 --profile-lines 5"]
+#: In the command line of bench_agent's host process and of every process it forks.
+AGENT_HOST_MARK = "bench_agent host"
 
 FAKE_ROWS = """
 import json, sys
@@ -137,6 +140,45 @@ def test_scan_and_reap_rows_merge_into_one_json_document_and_one_table(tmp_path:
     assert markdown[2] == "| figure | median | min-max | baseline | ratio | goal | met |"
     assert len(markdown) == 4 + len(figures)
     assert tagged(tag) == []
+
+
+def agent_processes() -> list[int]:
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if AGENT_HOST_MARK.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def mounted_with(tag: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if tag in line.split()[4]]
+
+
+@pytest.mark.slow
+def test_the_agent_bench_times_a_checked_pass_profiles_it_and_leaves_nothing(
+    tmp_path: Path, tag: str
+) -> None:
+    done, doc = harness(tmp_path, tag, ["--quick", "--only", "agent", *AGENT_TINY])
+
+    assert done.returncode == 0, done.stderr
+    assert [(s["script"], s["status"]) for s in doc["scripts"]] == [("bench_agent.py", "ok")]
+    figures = [r["figure"] for r in doc["rows"]]
+    assert any(
+        f.startswith("agent steady-state pass, 5 pod volumes") and f.endswith("(CPU)") for f in figures
+    )
+    [graded] = [r for r in doc["rows"] if r["goal"]]
+    assert graded["goal"] == "<= 1.0x budget (0.1 s)"
+    assert graded["baseline"] == "budget 0.1 s"
+    assert "cProfile of one steady pass" in done.stderr
+    assert "filename:lineno(function)" in done.stderr
+    assert tagged(tag) == []
+    assert mounted_with(tag) == []
+    assert agent_processes() == []
 
 
 def test_a_failing_script_is_a_failed_line_and_the_others_still_run(tmp_path: Path, tag: str) -> None:

@@ -1,0 +1,385 @@
+"""The node agent's steady-state pass: ``shmctl watch`` over 100 pod volumes on a host of 2,000 processes.
+
+Lays out ``--pods`` pod volumes as a kubelet does, in a private directory
+``/dev/shm/shmctl-bench-agent-<uuid>/pods/<pod>/volumes/kubernetes.io~empty-dir/dshm``, each
+its own small tmpfs where this process may mount one (as root; else plain directories of the
+shm root, said on stderr), and in every volume a live region (a base file and three segments,
+held by that pod's engine-like process: the base by fd and map, the segments by map only, as
+vLLM holds them; its owner record written) and, in every other volume, an orphaned region (a
+base and one segment, its owner record naming a process that has exited). Then it brings the
+host up to ``--processes`` processes with sleeping children (those already running count).
+
+The agent is what ``shmctl watch`` runs: a ``Watcher`` over the glob
+``.../pods/*/volumes/kubernetes.io~empty-dir/*``, without ``--reap`` and with ``--grace 0s``
+(orphans older than the grace, as on a node in its steady state), its events encoded as JSON
+lines (to /dev/null) and each pass recorded in the metrics. Nothing changes between passes:
+that is the steady state. After a first pass (checked: every held file live, every other
+orphaned), ``--repeat`` passes are timed one by one in this process: CPU
+(``time.process_time``, and the CPU of any child the pass waited for) and wall time. The
+pass's ``/proc`` walk on its own (``collect_holders`` for the pass's devices) is timed in the
+same rounds, interleaved, to show its share.
+
+Goal (issue 22): one steady-state pass <= 0.1 s of CPU. The cProfile of one more steady pass
+(the top lines by own time) goes to stderr, so the next round starts from evidence. Every
+holder and sleeper is ended and everything created unmounted and removed on the way out, also
+on Ctrl-C or SIGTERM.
+
+    .venv/bin/python bench/bench_agent.py [--quick] [--json FILE] [--pods N] [--processes N|+N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from figures import Row, compared, entry, interrupt_on_signals, private_dir, report, signals_ignored
+
+from kvoffload.liveness import lease
+from kvoffload.liveness.holders import collect_holders
+from kvoffload.liveness.watch import PassReport, WatchConfig, Watcher
+from shmctl.render import watch as render
+
+BUDGET_S = 0.1
+VOLUME = Path("volumes/kubernetes.io~empty-dir/dshm")
+GLOB = "pods/*/volumes/kubernetes.io~empty-dir/*"
+#: A live region: its base file and three segments; an orphaned one: a base and one segment.
+LIVE_SEGMENTS = 3
+ORPHAN_SEGMENTS = 1
+#: Each pod volume's tmpfs (pages are allocated as written: one page a file here).
+VOLUME_SIZE = "size=16m,mode=0700"
+
+# One process (its own session) starts everything that runs during the bench, then blocks on
+# stdin: EOF there (the bench closed it, or died) ends every child it forked, so none outlives
+# the bench, even a SIGKILLed one. First a "crashed engine" creates the orphaned regions
+# (owner record naming itself) and exits; then the sleepers fork, before anything is imported,
+# each holding nothing and blocking on stdin; then one engine-like child per pod creates its
+# live region, records itself as its owner, maps every file (libc mmap: Python's mmap would
+# keep a dup of the fd), keeps the base's fd and closes the segments' fds.
+_HOST = r"""# bench_agent host (in the command line of every process it starts)
+import ctypes, gc, json, mmap, os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+plan = json.loads(sys.stdin.readline())
+page = mmap.PAGESIZE
+ready_r, ready_w = os.pipe()
+children = []
+
+def create(path, record):
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.write(fd, b"\0" * page)  # resident, as a region's pages are
+    if record is not None:
+        from kvoffload.shm.owner import write_owner
+        write_owner(fd, record)
+    return fd
+
+def region(directory, engine, segments):
+    from kvoffload.shm.owner import OwnerRecord
+    record = OwnerRecord.for_current_process(engine)
+    base = f"{directory}/vllm_offload_{engine}.mmap"
+    paths = [base] + [f"{base}.{k}" for k in range(1, segments + 1)]
+    return [create(path, record if path == base else None) for path in paths]
+
+def fork(body):
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            os.close(ready_r)
+            body()
+            os.write(ready_w, b"r")
+            while os.read(0, 4096):
+                pass
+            status = 0
+        except BaseException as e:
+            os.write(2, f"bench host child {os.getpid()}: {e}\n".encode())
+            os.write(ready_w, b"e")
+        finally:
+            os._exit(status)
+    children.append(pid)
+
+crashed = os.fork()
+if crashed == 0:
+    try:
+        for directory, engine in plan["orphans"]:
+            for fd in region(directory, engine, plan["orphan_segments"]):
+                os.close(fd)
+    finally:
+        os._exit(0)
+if os.waitpid(crashed, 0)[1] != 0:
+    print("failed", flush=True)
+    sys.exit(1)
+gc.freeze()  # the sleepers share the host's pages rather than copy them
+for _ in range(plan["sleepers"]):
+    fork(lambda: None)
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+c = ctypes
+libc.mmap.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long]
+failed = ctypes.c_void_p(-1).value
+import kvoffload.shm.owner  # once, before the engines fork
+
+def engine(directory, name):
+    def hold():
+        fds = region(directory, name, plan["live_segments"])
+        for k, fd in enumerate(fds):
+            rw = mmap.PROT_READ | mmap.PROT_WRITE
+            if libc.mmap(None, page, rw, mmap.MAP_SHARED, fd, 0) in (None, failed):
+                raise OSError(ctypes.get_errno(), "mmap")
+            if k:
+                os.close(fd)
+    return hold
+
+for directory, name in plan["engines"]:
+    fork(engine(directory, name))
+os.close(ready_w)
+got = b""
+while len(got) < len(children):
+    chunk = os.read(ready_r, 65536)
+    if not chunk:
+        break
+    got += chunk
+print("ready" if got == b"r" * len(children) else "failed", flush=True)
+while os.read(0, 4096):
+    pass
+for pid in children:
+    os.waitpid(pid, 0)
+"""
+
+
+def host_processes() -> int:
+    return sum(1 for name in os.listdir("/proc") if name.isdigit())
+
+
+@contextmanager
+def host(plan: dict[str, object]) -> Iterator[None]:
+    """The crashed engine's orphans, the sleepers and the engines of ``plan``, until exit."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _HOST],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a Ctrl-C at the terminal reaches the bench, which ends them
+    )
+    try:
+        assert process.stdin is not None
+        assert process.stdout is not None
+        process.stdin.write(json.dumps(plan) + "\n")
+        process.stdin.flush()
+        if process.stdout.readline() != "ready\n":
+            raise RuntimeError("a sleeper or an engine could not start (see stderr)")
+        yield
+    finally:
+        with signals_ignored():
+            if process.stdin is not None:
+                process.stdin.close()  # EOF: every child exits, and the host reaps them
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, 9)
+                process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+@contextmanager
+def volumes(work: Path, pods: int, mount: bool) -> Iterator[list[Path]]:
+    """``pods`` kubelet emptyDir volumes below ``work``, each its own tmpfs when ``mount``."""
+    made: list[Path] = []
+    mounted: list[Path] = []
+    try:
+        for i in range(pods):
+            volume = work / "pods" / f"{i:08x}-bench-pod" / VOLUME
+            volume.mkdir(mode=0o700, parents=True)
+            made.append(volume)
+            if mount:
+                done = subprocess.run(
+                    ["mount", "-t", "tmpfs", "-o", VOLUME_SIZE, "tmpfs", str(volume)],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if done.returncode != 0:
+                    raise RuntimeError(f"cannot mount a tmpfs at {volume}: {done.stderr.strip()}")
+                mounted.append(volume)
+        yield made
+    finally:
+        with signals_ignored():
+            for volume in mounted:
+                if subprocess.run(["umount", str(volume)], check=False).returncode != 0:
+                    subprocess.run(["umount", "-l", str(volume)], check=False)
+
+
+def watcher(work: Path) -> tuple[Watcher, Callable[[PassReport], None]]:
+    """The agent ``shmctl watch --root GLOB --grace 0s`` runs, and its metrics' ``on_pass``."""
+    config = WatchConfig(roots=(str(work / GLOB),), interval_s=60.0, grace_s=0.0)
+    metrics = render.WatchMetrics(interval_s=config.interval_s, reaping=False)
+    events = open(os.devnull, "w")  # noqa: SIM115 - open while the agent runs; closed with this process
+    return Watcher(config, on_event=render.EventWriter(events)), metrics.record
+
+
+def check(first: PassReport, pods: int, orphans: int) -> None:
+    """The verdicts of the first pass, before any figure counts."""
+    live = LIVE_SEGMENTS + 1
+    dead = ORPHAN_SEGMENTS + 1
+    roots = [r for r in first.roots if r.report is not None]
+    summary = [r.report.summary for r in roots if r.report is not None]
+    found = (len(roots), sum(s.live for s in summary), sum(s.orphaned for s in summary))
+    expected = (pods, pods * live, orphans * dead)
+    if found != expected:
+        raise RuntimeError(
+            f"the first pass saw {found[0]} roots, {found[1]} live and {found[2]} orphaned files; "
+            f"expected {expected[0]}, {expected[1]} and {expected[2]}: the figures would time a wrong pass"
+        )
+
+
+def cpu_s() -> float:
+    """This process's CPU and that of the children it waited for, in seconds."""
+    t = os.times()
+    return time.process_time() + t.children_user + t.children_system
+
+
+def measure(
+    agent: Watcher, on_pass: Callable[[PassReport], None], devices: set[int], repeat: int
+) -> dict[str, list[float]]:
+    """``repeat`` rounds: one steady pass and one ``/proc`` walk alone each, in ms."""
+    samples: dict[str, list[float]] = {"cpu": [], "wall": [], "walk": []}
+    print(f"measuring: {repeat} rounds of a steady pass and a /proc walk alone", flush=True)
+    for _ in range(repeat):
+        cpu, wall = cpu_s(), time.perf_counter()
+        agent.run_pass(on_pass=on_pass)
+        samples["wall"].append((time.perf_counter() - wall) * 1e3)
+        samples["cpu"].append((cpu_s() - cpu) * 1e3)
+        cpu = cpu_s()
+        collect_holders(devices=devices)
+        samples["walk"].append((cpu_s() - cpu) * 1e3)
+    return samples
+
+
+def profile(agent: Watcher, on_pass: Callable[[PassReport], None], lines: int) -> list[str]:
+    """The top ``lines`` functions of one steady pass by own time, as pstats prints them (its
+    total line, its column heads, then one line a function)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(agent.run_pass, on_pass=on_pass)
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).strip_dirs().sort_stats("tottime").print_stats(lines)
+    text = [line.rstrip() for line in out.getvalue().splitlines() if line.strip()]
+    total = next(line.strip() for line in text if "function calls" in line)
+    heads = next(i for i, line in enumerate(text) if line.lstrip().startswith("ncalls"))
+    return [total, *text[heads:]]
+
+
+def rows(samples: dict[str, list[float]], pods: int, processes: int) -> list[Row]:
+    budget_ms = BUDGET_S * 1e3
+    setup = f"{pods:,} pod volumes, {processes:,} processes"
+
+    def against(figure: str, key: str, at_most: float | None) -> Row:
+        return compared(
+            figure,
+            "ms",
+            samples[key],
+            baseline=f"budget {BUDGET_S:g} s",
+            base=budget_ms,
+            at_most=at_most,
+            goal=f"<= 1.0x budget ({BUDGET_S:g} s)" if at_most is not None else "",
+            digits=1,
+        )
+
+    return [
+        against(f"agent steady-state pass, {setup} (CPU)", "cpu", 1.0),
+        against(f"agent steady-state pass, {setup} (wall)", "wall", None),
+        against(
+            f"of which its /proc walk alone (collect_holders, {processes:,} processes) (CPU)", "walk", None
+        ),
+    ]
+
+
+def processes_wanted(text: str, running: int) -> int:
+    """``--processes``: ``N`` on the host in all, or ``+N``, N more than ``running``."""
+    try:
+        n = int(text.removeprefix("+"))
+    except ValueError:
+        raise RuntimeError(f"--processes wants N or +N, not {text!r}") from None
+    return running + n if text.startswith("+") else n
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="5 timed passes instead of 20")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+    parser.add_argument("--pods", type=int, default=100, help="pod volumes (default 100)")
+    parser.add_argument(
+        "--processes",
+        default="2000",
+        metavar="N|+N",
+        help="processes on the host, those running included (default 2,000); +N: N more than now",
+    )
+    parser.add_argument(
+        "--repeat", type=int, help="timed passes; the median is shown (default 20; --quick 5)"
+    )
+    parser.add_argument("--no-mount", action="store_true", help="plain directories, not a tmpfs each")
+    parser.add_argument("--profile-lines", type=int, default=10, help="cProfile lines on stderr (10)")
+    parser.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="tmpfs to work in")
+    args = parser.parse_args(argv)
+    repeat = args.repeat or (5 if args.quick else 20)
+    mount = not args.no_mount and os.geteuid() == 0
+    if not mount and not args.no_mount:
+        print(
+            "note: not root: the pod volumes are directories of one tmpfs, not a tmpfs each", file=sys.stderr
+        )
+    interrupt_on_signals()
+    with ExitStack() as stack:
+        work = stack.enter_context(private_dir(args.shm, "agent"))
+        print(f"files in {work}", flush=True)
+        pods = stack.enter_context(volumes(work, args.pods, mount))
+        engines = [[str(v), f"pod{i:04d}-live"] for i, v in enumerate(pods)]
+        orphans = [[str(v), f"pod{i:04d}-crashed"] for i, v in enumerate(pods) if i % 2 == 0]
+        running = host_processes() + 2  # the host process and its crashed engine are not up yet
+        sleepers = max(0, processes_wanted(args.processes, running) - running - len(engines))
+        plan = {
+            "orphans": orphans,
+            "engines": engines,
+            "sleepers": sleepers,
+            "live_segments": LIVE_SEGMENTS,
+            "orphan_segments": ORPHAN_SEGMENTS,
+        }
+        stack.enter_context(host(plan))
+        processes = host_processes()
+        agent, on_pass = watcher(work)
+        with lease.sigio_ignored():  # as Watcher.run does, once for all its passes
+            check(agent.run_pass(on_pass=on_pass), len(pods), len(orphans))
+            devices = {os.stat(v).st_dev for v in pods}
+            samples = measure(agent, on_pass, devices, repeat)
+            top = profile(agent, on_pass, args.profile_lines)
+    print("cProfile of one steady pass, by own time:", *top, sep="\n  ", file=sys.stderr)
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"{len(pods)} pod volumes ({'a tmpfs each' if mount else 'directories'}), {len(pods)} live regions "
+        f"of {LIVE_SEGMENTS + 1} files, {len(orphans)} orphaned of {ORPHAN_SEGMENTS + 1}; {processes:,} "
+        f"processes ({sleepers:,} sleepers); in-process passes, median of {repeat}; load average {load}"
+    )
+    return report(
+        rows(samples, len(pods), processes),
+        value="ms",
+        digits=1,
+        notes=[f"cProfile of one steady pass (top by own time; all {len(top) - 2} on stderr): {top[0]}"]
+        + [f"  {line}" for line in top[1:5]],
+        json_path=args.json,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(
+        entry(main, "bench_agent", interrupted="its volumes are unmounted and removed, its processes ended")
+    )
