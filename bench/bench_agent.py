@@ -20,7 +20,8 @@ pass's ``/proc`` walk on its own (``collect_holders`` for the pass's devices) is
 same rounds, interleaved, to show its share.
 
 Goal (issue 22): one steady-state pass <= 0.1 s of CPU. The cProfile of one more steady pass
-(the top lines by own time) goes to stderr, so the next round starts from evidence. Every
+(the top lines by own time) follows the table and is kept by ``make bench``, so the next round
+starts from evidence. Every
 holder and sleeper is ended and everything created unmounted and removed on the way out, also
 on Ctrl-C or SIGTERM.
 
@@ -30,11 +31,8 @@ on Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import subprocess
 import sys
 import time
@@ -42,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from figures import Row, compared, entry, interrupt_on_signals, private_dir, report, signals_ignored
+from figures import Row, compared, entry, interrupt_on_signals, private_dir, profiled, report, signals_ignored
 
 from kvoffload.liveness import lease
 from kvoffload.liveness.holders import collect_holders
@@ -265,19 +263,6 @@ def measure(
     return samples
 
 
-def profile(agent: Watcher, on_pass: Callable[[PassReport], None], lines: int) -> list[str]:
-    """The top ``lines`` functions of one steady pass by own time, as pstats prints them (its
-    total line, its column heads, then one line a function)."""
-    profiler = cProfile.Profile()
-    profiler.runcall(agent.run_pass, on_pass=on_pass)
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).strip_dirs().sort_stats("tottime").print_stats(lines)
-    text = [line.rstrip() for line in out.getvalue().splitlines() if line.strip()]
-    total = next(line.strip() for line in text if "function calls" in line)
-    heads = next(i for i, line in enumerate(text) if line.lstrip().startswith("ncalls"))
-    return [total, *text[heads:]]
-
-
 def rows(samples: dict[str, list[float]], pods: int, processes: int) -> list[Row]:
     budget_ms = BUDGET_S * 1e3
     setup = f"{pods:,} pod volumes, {processes:,} processes"
@@ -329,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--repeat", type=int, help="timed passes; the median is shown (default 20; --quick 5)"
     )
     parser.add_argument("--no-mount", action="store_true", help="plain directories, not a tmpfs each")
-    parser.add_argument("--profile-lines", type=int, default=10, help="cProfile lines on stderr (10)")
+    parser.add_argument("--profile-lines", type=int, default=10, help="cProfile lines in the profile (10)")
     parser.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="tmpfs to work in")
     args = parser.parse_args(argv)
     repeat = args.repeat or (5 if args.quick else 20)
@@ -361,8 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             check(agent.run_pass(on_pass=on_pass), len(pods), len(orphans))
             devices = {os.stat(v).st_dev for v in pods}
             samples = measure(agent, on_pass, devices, repeat)
-            top = profile(agent, on_pass, args.profile_lines)
-    print("cProfile of one steady pass, by own time:", *top, sep="\n  ", file=sys.stderr)
+            top = profiled(
+                "cProfile of one steady pass",
+                lambda: agent.run_pass(on_pass=on_pass),
+                args.profile_lines,
+            )
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
         f"{len(pods)} pod volumes ({'a tmpfs each' if mount else 'directories'}), {len(pods)} live regions "
@@ -373,9 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows(samples, len(pods), processes),
         value="ms",
         digits=1,
-        notes=[f"cProfile of one steady pass (top by own time; all {len(top) - 2} on stderr): {top[0]}"]
-        + [f"  {line}" for line in top[1:5]],
         json_path=args.json,
+        profile=top,
     )
 
 

@@ -134,16 +134,78 @@ def write_json(table: Sequence[Row], path: str) -> None:
         f.write("\n")
 
 
+def profile_path(json_path: str | Path) -> Path:
+    """Where a script leaves its profile beside its rows, for the harness to pick up."""
+    return Path(f"{json_path}.profile")
+
+
 def report(
-    table: Sequence[Row], *, value: str, digits: int, notes: Sequence[str] = (), json_path: str | None = None
+    table: Sequence[Row],
+    *,
+    value: str,
+    digits: int,
+    notes: Sequence[str] = (),
+    json_path: str | None = None,
+    profile: Sequence[str] = (),
 ) -> int:
-    """A script's ending: its table, its notes, its rows as JSON where asked; exit status 0."""
+    """A script's ending: its table, its notes, its profile, its rows as JSON where asked; exit 0.
+
+    ``profile`` is where the time went (``profiled``'s lines, an import profile): printed
+    after the table, and written beside the JSON rows, so that ``make bench`` keeps it in
+    ``results.json`` and ``results.md`` and the next round starts from evidence.
+    """
     print_table(table, value=value, digits=digits)
     for note in notes:
         print(f"note: {note}")
+    for line in profile:
+        print(f"profile: {line}")
     if json_path:
         write_json(table, json_path)
+        if profile:
+            profile_path(json_path).write_text("".join(f"{line}\n" for line in profile))
     return 0
+
+
+def profiled(title: str, call: Callable[[], object], lines: int = 12) -> list[str]:
+    """``title``, then cProfile's top ``lines`` functions by own time over one ``call()``."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).strip_dirs().sort_stats("tottime").print_stats(lines)
+    text = out.getvalue().splitlines()
+    total = next((t.strip() for t in text if "function calls" in t), "")
+    start = next((i for i, t in enumerate(text) if t.lstrip().startswith("ncalls")), len(text))
+    return [f"{title} ({total}), by own time:", *(t.rstrip() for t in text[start:] if t.strip())]
+
+
+def import_profile(argv: Sequence[str], env: dict[str, str] | None = None, lines: int = 10) -> list[str]:
+    """The modules ``argv`` (a Python command line) imports, the costliest ``lines`` by own time.
+
+    ``python -X importtime``'s figures, as the interpreter measured them in that one run.
+    """
+    done = subprocess.run(
+        [argv[0], "-X", "importtime", *argv[1:]],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    found = []
+    for line in done.stderr.splitlines():
+        if not line.startswith("import time:") or "self [us]" in line:
+            continue
+        own, total, name = line.removeprefix("import time:").split("|")
+        found.append((int(own), int(total), name.strip()))
+    found.sort(reverse=True)
+    spent = sum(own for own, _, _ in found) / 1e3
+    command = " ".join(argv[1:])
+    out = [f"imports of `{command}`: {len(found)} modules, {spent:.1f} ms; ms own / with its imports:"]
+    out += [f"  {own / 1e3:6.2f} {total / 1e3:7.2f}  {name}" for own, total, name in found[:lines]]
+    return out
 
 
 def entry(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import json
 import math
@@ -47,7 +48,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from figures import SHM_PREFIX, TAG_ENV, Row, read_json
+from figures import SHM_PREFIX, TAG_ENV, Row, profile_path, read_json
 
 BENCH = Path(__file__).resolve().parent
 ORDER = ("bench_scan.py", "bench_reap.py", "bench_region.py", "bench_worker.py", "bench_manager.py")
@@ -170,6 +171,8 @@ class Outcome:
     error: str = ""
     leftovers: list[str] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
+    #: Where the time went, as the script profiled it (``figures.report(profile=...)``).
+    profile: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
@@ -234,6 +237,8 @@ class Harness:
                     outcome.rows = read_json(rows_file)
                 except (OSError, ValueError) as e:
                     outcome.error = f"wrote no rows: {e}"
+                with contextlib.suppress(OSError):
+                    outcome.profile = profile_path(rows_file).read_text().splitlines()
             else:
                 outcome.error = f"exit {outcome.exit}" + (f": {tail[-1]}" if tail else "")
         outcome.leftovers = sweep(self.shm, before, self.tag)
@@ -351,6 +356,12 @@ def markdown_table(outcomes: Sequence[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def markdown_profiles(outcomes: Sequence[Outcome]) -> str:
+    """Each script's profile under its name, as preformatted text; empty when none has one."""
+    parts = [f"\n`{o.script}`:\n\n```\n" + "\n".join(o.profile) + "\n```\n" for o in outcomes if o.profile]
+    return "\n#### Where the time went\n" + "".join(parts) if parts else ""
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -437,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for path, text in (
         (args.json, json.dumps(document, indent=2) + "\n"),
-        (args.markdown, f"{header}\n\n{markdown_table(outcomes)}\n"),
+        (args.markdown, f"{header}\n\n{markdown_table(outcomes)}\n{markdown_profiles(outcomes)}"),
     ):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -138,7 +138,16 @@ def test_scan_and_reap_rows_merge_into_one_json_document_and_one_table(tmp_path:
     markdown = (tmp_path / "results.md").read_text().splitlines()
     assert doc["machine_line"] in markdown[0]
     assert markdown[2] == "| figure | median | min-max | baseline | ratio | goal | met |"
-    assert len(markdown) == 4 + len(figures)
+    assert markdown[4 + len(figures)] == ""  # the table ends; where the time went follows
+    # Each script's profile: in the JSON, and under the script's name in the Markdown.
+    profiles = {s["script"]: s["profile"] for s in doc["scripts"]}
+    assert any(line.startswith("imports of ") for line in profiles["bench_scan.py"])
+    assert any("by own time" in line for line in profiles["bench_scan.py"])
+    assert any("by own time" in line for line in profiles["bench_reap.py"])
+    section = markdown[markdown.index("#### Where the time went") :]
+    assert "`bench_scan.py`:" in section
+    assert "`bench_reap.py`:" in section
+    assert profiles["bench_reap.py"][0] in section
     assert tagged(tag) == []
 
 
@@ -174,8 +183,9 @@ def test_the_agent_bench_times_a_checked_pass_profiles_it_and_leaves_nothing(
     [graded] = [r for r in doc["rows"] if r["goal"]]
     assert graded["goal"] == "<= 1.0x budget (0.1 s)"
     assert graded["baseline"] == "budget 0.1 s"
-    assert "cProfile of one steady pass" in done.stderr
-    assert "filename:lineno(function)" in done.stderr
+    [agent] = doc["scripts"]
+    assert agent["profile"][0].startswith("cProfile of one steady pass")
+    assert any("filename:lineno(function)" in line for line in agent["profile"])
     assert tagged(tag) == []
     assert mounted_with(tag) == []
     assert agent_processes() == []
