@@ -400,15 +400,18 @@ def scan(
     euid = os.geteuid()
     owners = _Owners.of(all_users, euid)
     root = Path(root)
-    with open_root(root, root_fd) as dir_fd, lease.sigio_ignored() as unsafe:
-        lease_off = lease.DISABLED if not use_lease else None if unsafe is None else LeaseProbe(None, unsafe)
+    with open_root(root, root_fd) as dir_fd, contextlib.ExitStack() as leasing:
         listed, park_names = _list_regions(root, dir_fd)
         regions = _Sorted.of(listed, owners)
+        # Leases (and their watchdog, a process spawned once) only where a file will be probed:
+        # a scan of an empty root (a node with no engine) spawns nothing.
+        to_probe = regions.to_probe()
+        unsafe = leasing.enter_context(lease.sigio_ignored()) if to_probe or park_names else None
+        lease_off = lease.DISABLED if not use_lease else None if unsafe is None else LeaseProbe(None, unsafe)
         root_dev = os.fstat(dir_fd).st_dev
         devices = {root_dev} | {item.st.st_dev for item in listed}
         # The probes (open, lease, lock) and the /proc pass are independent: with a second
         # core, a child process probes while we walk /proc (see prober).
-        to_probe = regions.to_probe()
         probe = functools.partial(_probe, dir_fd, lease_off=lease_off, euid=euid)
         if holders is not None and holders.covers(devices):
             index = holders
@@ -626,6 +629,12 @@ class ScanStream:
 def _list_names(root: Path, dir_fd: int) -> tuple[list[str], list[str]]:
     """The root's region-pattern names, the files of each region adjacent (by engine id, then
     segment), and the names of park directories. Names only: 100,000 of them are a few MiB."""
+    keyed, park_names = _list_keyed(root, dir_fd)
+    return [name for _, _, name, _ in keyed], park_names
+
+
+def _list_keyed(root: Path, dir_fd: int) -> tuple[list[tuple[str, int, str, names.RegionName]], list[str]]:
+    """``_list_names``, each name with its sort key and what it parsed to."""
     try:
         entry_names = os.listdir(dir_fd)
     except OSError as e:
@@ -640,12 +649,12 @@ def _list_names(root: Path, dir_fd: int) -> tuple[list[str], list[str]]:
             if park.is_park_name(name):
                 park_names.append(name)
         else:
-            keyed.append((region.engine_id, region.segment, name))
+            keyed.append((region.engine_id, region.segment, name, region))
     del entry_names
     # Sorted by name alone, the files of one engine can be apart: "E.mmap-x" (another engine's
-    # base) sorts between "E.mmap" and "E.mmap.1".
+    # base) sorts between "E.mmap" and "E.mmap.1". Names are unique: regions are never compared.
     keyed.sort()
-    return [name for _, _, name in keyed], sorted(park_names)
+    return keyed, sorted(park_names)
 
 
 def _chunks(region_names: list[str], size: int) -> Iterator[list[tuple[str, names.RegionName]]]:
@@ -678,8 +687,8 @@ def _stat_names(root: Path, dir_fd: int, chunk: list[tuple[str, names.RegionName
 
 def _list_regions(root: Path, dir_fd: int) -> tuple[list[_Listed], list[str]]:
     """The region-pattern entries of the root (lstat'ed), and the names of park directories."""
-    region_names, park_names = _list_names(root, dir_fd)
-    return _stat_names(root, dir_fd, [(name, _parsed(name)) for name in region_names]), park_names
+    keyed, park_names = _list_keyed(root, dir_fd)
+    return _stat_names(root, dir_fd, [(name, region) for _, _, name, region in keyed]), park_names
 
 
 def _parsed(name: str) -> names.RegionName:
