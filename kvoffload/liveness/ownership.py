@@ -25,14 +25,43 @@ class OwnerLiveness:
     reason: str
 
 
-def judge_owner(record: OwnerRecord, proc_root: Path = procfs.PROC_ROOT) -> OwnerLiveness:
-    """Is the recorded owner process still the one that created the file?"""
-    boot_id = procfs.read_boot_id(proc_root)
+@dataclass(frozen=True, slots=True)
+class Host:
+    """What every owner record is compared with: this boot, host name and PID namespace, as
+    seen through ``proc_root``. Read once per scan, not once per region (two file reads a
+    region were a fifth of an agent pass over 100 pod volumes)."""
+
+    proc_root: Path
+    boot_id: str | None
+    nodename: str
+    pid_ns: str | None
+
+    @classmethod
+    def of(cls, proc_root: Path = procfs.PROC_ROOT) -> Host:
+        return cls(
+            proc_root,
+            procfs.read_boot_id(proc_root),
+            os.uname().nodename,
+            procfs.pid_namespace("self", proc_root),
+        )
+
+
+def judge_owner(
+    record: OwnerRecord, proc_root: Path = procfs.PROC_ROOT, *, host: Host | None = None
+) -> OwnerLiveness:
+    """Is the recorded owner process still the one that created the file?
+
+    ``host`` is ``Host.of(proc_root)`` made once by a caller judging many records.
+    """
+    if host is None:
+        host = Host.of(proc_root)
+    proc_root = host.proc_root
+    boot_id = host.boot_id
     if record.boot_id and boot_id and record.boot_id != boot_id:
         return OwnerLiveness(False, "owner ran in an earlier boot")
-    if record.hostname and record.hostname != os.uname().nodename:
+    if record.hostname and record.hostname != host.nodename:
         return OwnerLiveness(None, f"owner ran on host {record.hostname!r}, not this one")
-    own_ns = procfs.pid_namespace("self", proc_root)
+    own_ns = host.pid_ns
     if record.pid_ns and own_ns and record.pid_ns != own_ns:
         return OwnerLiveness(None, f"owner pid {record.pid} is in another PID namespace ({record.pid_ns})")
     try:

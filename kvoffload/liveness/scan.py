@@ -54,7 +54,7 @@ from kvoffload.liveness import lease, lock, park, prober
 from kvoffload.liveness.holders import DeletedMapping, Holder, HolderIndex, Uninspected, collect_holders
 from kvoffload.liveness.lease import LeaseProbe, LeaseState
 from kvoffload.liveness.namespace import Visibility, visibility
-from kvoffload.liveness.ownership import OwnerLiveness, judge_owner
+from kvoffload.liveness.ownership import Host, OwnerLiveness, judge_owner
 from kvoffload.liveness.verdict import (
     Evidence,
     FileEvidence,
@@ -426,7 +426,7 @@ def scan(
         )
         when = time.time() if now is None else now
         entries = _judge(
-            root, listed, regions, probes, index, view, when=when, grace_s=grace_s, proc_root=proc_root
+            root, listed, regions, probes, index, view, when=when, grace_s=grace_s, host=Host.of(proc_root)
         )
         parks: tuple[ParkView, ...] = ()
         if park_names:
@@ -504,6 +504,7 @@ class ScanStream:
         self._assume = frozenset(assume_not_holding)
         self._use_lease = use_lease
         self._proc_root = proc_root
+        self._host: Host | None = None  # read when the first region is judged
         self._given = holders
         self._root_fd = root_fd
         self._now = now
@@ -618,8 +619,10 @@ class ScanStream:
                     _entry(self.root, item, Status.SKIPPED, regions.skipped[item.name], when, self.index)
                     for item in skipped.get(group.engine_id, ())
                 ]
+                if self._host is None:
+                    self._host = Host.of(self._proc_root)
                 entries += _judge_group(
-                    self.root, group, probes, self.index, view, when, self._grace_s, self._proc_root
+                    self.root, group, probes, self.index, view, when, self._grace_s, self._host
                 )
                 if entries:
                     entries.sort(key=lambda e: (e.segment, e.name))
@@ -822,7 +825,7 @@ def _judge(
     *,
     when: float,
     grace_s: float,
-    proc_root: Path,
+    host: Host,
 ) -> tuple[ScanEntry, ...]:
     entries: list[ScanEntry] = []
     skipped = regions.skipped
@@ -830,7 +833,7 @@ def _judge(
         if item.name in skipped:
             entries.append(_entry(root, item, Status.SKIPPED, skipped[item.name], when, index))
     for group in regions.groups.values():
-        entries.extend(_judge_group(root, group, probes, index, view, when, grace_s, proc_root))
+        entries.extend(_judge_group(root, group, probes, index, view, when, grace_s, host))
     entries.sort(key=lambda e: (e.engine_id, e.segment, e.name))
     return tuple(entries)
 
@@ -843,7 +846,7 @@ def _judge_group(
     view: ScannerView,
     when: float,
     grace_s: float,
-    proc_root: Path,
+    host: Host,
 ) -> list[ScanEntry]:
     if not group.members:
         return []
@@ -859,7 +862,7 @@ def _judge_group(
         return []
     base = next((m for m in members if m.region.segment == 0), None)
     record = probes[base.name].owner if base is not None else None
-    liveness = judge_owner(record, proc_root) if record is not None else None
+    liveness = judge_owner(record, host=host) if record is not None else None
     evidence = []
     for m in members:
         probe = probes[m.name]
