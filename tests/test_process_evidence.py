@@ -14,16 +14,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from kvoffload import procfs
 from kvoffload.liveness.holders import collect_holders
+from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import ScanReport, Status, scan
-from tests.hostile import GATE_PID, ProcGate, ZombieLeader
+from tests.hostile import ZombieLeader
 from tests.procs import (
     NOBODY,
     REPO,
@@ -199,29 +199,28 @@ def test_a_process_seen_through_its_fds_holds_the_file_even_if_its_maps_cannot_b
     assert reap(root, grace_s=0, proc_root=tmp_path / "proc").removed == ()
 
 
-@pytest.mark.parametrize("gone", ["fd", "maps"])
+@pytest.mark.parametrize("gone", ["fd", "maps", "stat"])
 def test_a_process_that_exits_while_it_is_being_read_is_neither_a_holder_nor_a_blind_spot(
     root: Path, engine_id: str, tmp_path: Path, gone: str
 ) -> None:
+    # A process read in the order the pass reads it (fds, maps, then stat where it holds
+    # nothing), whose next file is gone: it exited between two reads.
     path = write_file(region_path(root, engine_id))
-
-    def exit_now_in(tmp: Path) -> Callable[[], None]:
-        def exit_now() -> None:  # its stat is being read; what is read next is gone
-            target = tmp / "proc" / str(GATE_PID) / gone
-            if target.is_dir():
-                target.rmdir()
-            else:
-                target.unlink()
-
-        return exit_now
-
-    with ProcGate(tmp_path, [exit_now_in(tmp_path)]) as gate:
-        index = collect_holders(gate.root)
+    proc = tmp_path / "proc"
+    base = proc / "4244"
+    (base / "fd").mkdir(parents=True)
+    (base / "maps").write_text("")
+    (base / "stat").write_text("4244 (leaving) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0\n")
+    (proc / "self" / "ns").mkdir(parents=True)
+    (proc / "self" / "ns" / "pid").symlink_to(INITIAL_PID_NAMESPACE)  # it lists every process
+    target = base / gone
+    if target.is_dir():
+        target.rmdir()
+    else:
+        target.unlink()
+    index = collect_holders(proc)
     assert (index.uninspected, index.processes) == ((), 0)
-    again = tmp_path / "again"
-    again.mkdir()
-    with ProcGate(again, [exit_now_in(again)]) as gate:
-        e = entry(scan(root, grace_s=0, proc_root=gate.root), path.name)
+    e = entry(scan(root, grace_s=0, proc_root=proc), path.name)
     assert e.status is Status.ORPHANED  # a process that exited holds nothing and hides nothing
 
 
