@@ -111,6 +111,20 @@ def test_without_any_mount_table_there_is_no_answer(tmp_path: Path) -> None:
     assert mounts.root_mount("/dev/shm", mountinfo=missing, mounts=missing) is None
 
 
+@pytest.mark.parametrize(
+    "path", ["/", "/etc", "/dev/shm", "/dev/shm/x.mmap", "/mnt/kv shm/region", "/mnt/kv/x", "/mnt/kvx"]
+)
+def test_the_root_mount_is_the_one_the_whole_table_gives(tmp_path: Path, path: str) -> None:
+    # root_mount parses only the lines whose point holds the path; the answer is the same.
+    table_file = tmp_path / "mountinfo"
+    table_file.write_bytes(MOUNTINFO)
+    info = mounts.root_mount(path, mountinfo=table_file)
+    whole = mounts.mount_of(path, table())
+    assert info is not None
+    assert whole is not None
+    assert (info.mount_point, info.source, info.options) == (whole.mount_point, whole.source, whole.options)
+
+
 def test_the_proc_mounts_table_is_the_fallback_when_mountinfo_is_missing(tmp_path: Path) -> None:
     table_file = tmp_path / "mounts"
     table_file.write_bytes(b"tmpfs /dev/shm tmpfs rw,huge=advise 0 0\n")

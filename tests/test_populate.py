@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 
 from kvoffload.cpu.shared_offload_region import (
+    _POPULATE_STEP,
     DEFAULT_MAX_POPULATE_THREADS,
     MAX_POPULATE_THREADS,
     PAGESIZE,
     SharedOffloadRegion,
+    cut_steps,
     default_populate_threads,
     plan_segments,
     prefault,
@@ -71,6 +73,21 @@ def test_the_pieces_of_a_walk_cover_it_exactly_in_order(parts: int) -> None:
     assert [p for s, e in flat for p in range(s, e, PAGESIZE)] == [
         p for s, e in walk for p in range(s, e, PAGESIZE)
     ]
+
+
+def test_a_piece_is_cut_into_steps_from_each_ranges_start_and_small_ranges_share_a_step() -> None:
+    # Steps of 2 huge pages: a long range is cut every step from its own (aligned) start.
+    assert cut_steps([(HUGE, 6 * HUGE)], 2 * HUGE) == [
+        [(HUGE, 3 * HUGE)],
+        [(3 * HUGE, 5 * HUGE)],
+        [(5 * HUGE, 6 * HUGE)],
+    ]
+    # A worker's slots (one page per row) fill a step before the next one begins.
+    slots = [(row * 2 * PAGESIZE, row * 2 * PAGESIZE + PAGESIZE) for row in range(5)]
+    assert cut_steps(slots, 2 * PAGESIZE) == [slots[:2], slots[2:4], slots[4:]]
+    # A range that does not fit what is left of a step begins a step of its own.
+    assert cut_steps([(0, PAGESIZE), (HUGE, 3 * HUGE)], 2 * HUGE) == [[(0, PAGESIZE)], [(HUGE, 3 * HUGE)]]
+    assert cut_steps([], HUGE) == []
 
 
 def test_a_rotated_walk_starts_at_the_given_byte_and_wraps_around() -> None:
@@ -221,8 +238,28 @@ def test_the_first_error_of_a_thread_is_raised_after_every_thread_returned() -> 
     pieces = [[(0, 64 * MIB)], [(64 * MIB, 128 * MIB)], [(128 * MIB, 1024 * MIB)]]
     with pytest.raises(OSError, match="injected at offset 0"):
         prefault(pieces, fault)
-    # The long third piece stopped early: it did not walk all its 896 MiB in 64 MiB steps.
+    # The long third piece stopped early: it did not walk all its 896 MiB (in 16 MiB steps).
     assert len([c for c in calls if c >= 128 * MIB]) < 896 // 64
+
+
+def test_a_thread_that_is_done_takes_the_steps_left_of_a_thread_held_back() -> None:
+    # Piece 0's thread is held in its first step until every other step is done: the thread
+    # of the short piece 1 must have faulted the rest of piece 0 by then, from its far end.
+    step = _POPULATE_STEP
+    faulted: dict[int, str] = {}
+    rest_done = threading.Event()
+
+    def fault(offset: int, length: int) -> None:
+        if offset == 0:
+            rest_done.wait(timeout=30)
+        faulted[offset] = threading.current_thread().name
+        if len(faulted) == 5:  # all but (0, step)
+            rest_done.set()
+
+    prefault([[(0, 4 * step)], [(4 * step, 6 * step)]], fault)
+    assert rest_done.is_set()
+    assert faulted[0] == "kvoffload-populate-0"
+    assert {faulted[at] for at in (step, 2 * step, 3 * step)} == {"kvoffload-populate-1"}
 
 
 def test_an_interrupted_caller_stops_the_threads_and_the_region_unwinds(engine_id: str, root: Path) -> None:
@@ -251,6 +288,7 @@ def test_a_file_cut_short_under_the_walk_fails_it_with_efault_and_the_joiner_unw
         assert info.value.errno == errno.EFAULT
         assert str(creator.path) in str(info.value)
         assert os.listdir(root) == [creator.path.name]  # a joiner never removes the file
+        assert os.stat(creator.path).st_size == creator.total_bytes // 4  # nor grows it back
     finally:
         creator.cleanup()
 

@@ -29,6 +29,7 @@ import dataclasses
 import os
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,17 +171,50 @@ def huge_page_size(sysfs: Path = THP_SYSFS) -> int:
     return size if size > 0 else _DEFAULT_HUGE_PAGE
 
 
+def _holds(point: str, target: str) -> bool:
+    """Is the resolved path ``target`` at or below the mount point ``point``?"""
+    return point in ("/", target) or target.startswith(point.rstrip("/") + "/")
+
+
 def mount_of(path: Path | str, mounts: list[MountInfo]) -> MountInfo | None:
     """The mount in ``mounts`` holding ``path``: the longest prefix; the last listed among equals."""
     target = os.path.realpath(path)
     best: MountInfo | None = None
     for info in mounts:
         point = str(info.mount_point)
-        inside = point in ("/", target) or target.startswith(point.rstrip("/") + "/")
         # Later entries on the same point were mounted over the earlier ones: >= keeps the last.
-        if inside and (best is None or len(point) >= len(str(best.mount_point))):
+        if _holds(point, target) and (best is None or len(point) >= len(str(best.mount_point))):
             best = info
     return best
+
+
+def _point(field: bytes) -> str:
+    """A mount point field as ``str(MountInfo.mount_point)`` spells it.
+
+    The kernel writes canonical paths, which a ``Path`` leaves as they are: one is built only
+    for a point that it could change (``//``, ``/.``, a trailing slash).
+    """
+    point = _unescape(field)
+    if "//" in point or "/." in point or (point.endswith("/") and point != "/"):
+        point = str(Path(point))
+    return point
+
+
+def _holders(
+    text: bytes, parse: Callable[[bytes], list[MountInfo]], field: int, target: str
+) -> list[MountInfo]:
+    """The mounts of the table ``text`` whose point holds ``target``, in the order listed.
+
+    Only their lines are parsed whole: a host with many mounts (containers, test mounts) lists
+    a hundred or more, and building every ``MountInfo`` cost milliseconds of each region's start.
+    ``field`` is where a line keeps its mount point (4 in mountinfo, 1 in mounts).
+    """
+    found = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) > field and _holds(_point(fields[field]), target):
+            found += parse(line)  # [] for a malformed line, as the whole table's parse skips it
+    return found
 
 
 def root_mount(
@@ -191,14 +225,15 @@ def root_mount(
     sysfs: Path = THP_SYSFS,
 ) -> MountInfo | None:
     """The mount that holds ``path`` (see the module docstring), with the system's shmem_enabled."""
+    target = os.path.realpath(path)
     try:
-        table = parse_mountinfo(mountinfo.read_bytes())
+        table = _holders(mountinfo.read_bytes(), parse_mountinfo, 4, target)
     except OSError:
         try:
-            table = parse_mounts(mounts.read_bytes())
+            table = _holders(mounts.read_bytes(), parse_mounts, 1, target)
         except OSError:
             return None
-    info = mount_of(path, table)
+    info = mount_of(target, table)
     if info is None:
         return None
     return MountInfo(
