@@ -181,6 +181,11 @@ class ReqContext:
     def get_offload_key_position(self, key: OffloadKey) -> int | None:
         return self._offload_key_positions.get(key)
 
+    def get_offload_key_positions(self, keys: Iterable[OffloadKey]) -> list[int | None]:
+        """``get_offload_key_position`` of each key, in one call: a manager orders every key
+        of a request by them, and a method call per key would cost more than the lookups."""
+        return list(map(self._offload_key_positions.get, keys))
+
 
 class LoadStoreSpec:
     """Where the blocks of one transfer side live. Subclasses name their medium."""
@@ -233,6 +238,21 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec):
 
     def __init__(self, block_ids: Iterable[int]) -> None:
         object.__setattr__(self, "block_ids", _block_id_array(block_ids))
+
+    @classmethod
+    def from_checked_ids(cls, block_ids: list[int]) -> Self:
+        """A spec of ids the caller made itself and knows to be in int32's range (a pool's
+        own chunk ids), without checking each again: a manager builds one per call.
+
+        Only for a spec whose one field is ``block_ids``: one with more fields has its own ``__init__``.
+        """
+        import numpy as np
+
+        if cls.__init__ is not BlockIDsLoadStoreSpec.__init__:
+            raise TypeError(f"{cls.__name__} has fields of its own: build it with {cls.__name__}(...)")
+        spec = cls.__new__(cls)
+        object.__setattr__(spec, "block_ids", np.array(block_ids, dtype=np.int32))
+        return spec
 
     def __len__(self) -> int:
         return len(self.block_ids)

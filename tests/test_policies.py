@@ -6,6 +6,8 @@ tests/test_vllm_cache_behaviour.py.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from kvoffload.base import OffloadKey, ReqContext, make_offload_key
 from kvoffload.cpu.policies import KNOWN_POLICIES
 from kvoffload.cpu.policies.arc import ARCCachePolicy
-from kvoffload.cpu.policies.base import CachePolicy, ChunkStatus
+from kvoffload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 from kvoffload.cpu.policies.factory import CachePolicyFactory
 from kvoffload.cpu.policies.lru import LRUCachePolicy
 from kvoffload.errors import ConfigError
@@ -249,6 +251,111 @@ def test_lru_touch_makes_a_key_most_recent() -> None:
     policy = filled(LRUCachePolicy, 3)
     policy.touch([key(0)], ctx())
     assert evicted_keys(policy, 3) == [1, 2, 0]
+
+
+class RankModel:
+    """vLLM 0.33's LRU order, plainly: every key's rank, and evictions by sorting (rank, key)."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[OffloadKey, tuple[int, int]] = {}
+        self.counter = 0
+        self.request_ranks: dict[str, int] = {}
+
+    def fresh(self) -> tuple[int, int]:
+        self.counter += 1
+        return (self.counter, 0)
+
+    def request_rank(self, c: ReqContext) -> int:
+        if c.req_id not in self.request_ranks:
+            self.request_ranks[c.req_id] = self.fresh()[0]
+        return self.request_ranks[c.req_id]
+
+    def insert(self, k: OffloadKey, c: ReqContext) -> None:
+        position = c.get_offload_key_position(k)
+        self.ranks[k] = self.fresh() if position is None else (self.request_rank(c), -position)
+
+    def rerank(self, keys: list[OffloadKey]) -> None:
+        for k in keys:
+            if k in self.ranks:
+                self.ranks[k] = self.fresh()
+
+    def access(self, keys: list[OffloadKey], c: ReqContext) -> None:
+        request_rank = self.request_rank(c)
+        for k in keys:
+            position = c.get_offload_key_position(k)
+            if k in self.ranks and position is not None:
+                self.ranks[k] = max(self.ranks[k], (request_rank, -position))
+
+    def victims(self, candidates: set[OffloadKey], n: int) -> list[OffloadKey]:
+        return sorted(candidates, key=lambda k: (self.ranks[k], k))[:n]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_lru_evicts_in_rank_order_wherever_a_key_waits(seed: int) -> None:
+    # Ranks arrive out of order (a running request's, a chunk released after younger uses),
+    # so keys wait in the ordered dict or in the heap; evictions must still follow the ranks.
+    rng = random.Random(seed)
+    policy, model = LRUCachePolicy(10), RankModel()
+    statuses: dict[OffloadKey, ChunkStatus] = {}
+
+    def request(n: int, step: int) -> ReqContext:
+        c = ReqContext(req_id=f"r{n}-{step}")
+        for i in range(10):
+            if (i + n) % 3:  # some keys carry no position; some share one (two groups of a block)
+                c.set_offload_key_position(key(i), 16 * ((i * (n + 2)) % 7 + 1))
+        return c
+
+    contexts = [request(n, 0) for n in range(3)]
+    names = ["insert", "ready", "pin", "unpin", "touch", "access", "finish", "evict", "new request"]
+    for step in range(300):
+        op, ids, n = rng.choice(names), rng.sample(range(10), rng.randint(1, 4)), rng.randrange(3)
+        ks, c = [key(i) for i in ids], contexts[n]
+        if op == "new request":  # its rank is above every key's yet
+            contexts[n] = request(n, step)
+        elif op == "insert":
+            new = [k for k in ks if k not in statuses]
+            chunks = [ChunkStatus(int.from_bytes(k[:8], "big")) for k in new]
+            policy.insert_many(new, chunks, c)
+            for k, chunk in zip(new, chunks, strict=True):
+                statuses[k] = chunk
+                model.insert(k, c)
+        elif op == "ready":
+            done = [k for k in ks if k in statuses and statuses[k].ref_cnt == -1]
+            for k in done:
+                statuses[k].ref_cnt = 0
+            policy.mark_evictable_many(done)
+        elif op == "pin":
+            pinned = [k for k in ks if k in statuses and statuses[k].ref_cnt == 0]
+            for k in pinned:
+                statuses[k].ref_cnt = 1
+            policy.mark_non_evictable_many(pinned)
+        elif op == "unpin":
+            for k in ks:
+                if k in statuses and statuses[k].ref_cnt == 1:
+                    statuses[k].ref_cnt = 0
+                    policy.mark_evictable(k)
+        elif op == "touch":
+            policy.touch(ks, c)
+            model.rerank(list(reversed(ks)))
+        elif op == "access":
+            policy.on_request_access(ks, c)
+            model.access(ks, c)
+        elif op == "finish":
+            policy.on_request_finished((tuple(ks),), set(), set(), c)
+            model.rerank(list(reversed(order_request_keys((tuple(ks),), c))))
+        else:
+            protected = {key(ids[0])}
+            candidates = {k for k, st_ in statuses.items() if st_.ref_cnt == 0 and k not in protected}
+            victims = policy.evict(n + 1, protected)
+            if n + 1 > len(candidates):
+                assert victims is None
+                continue
+            assert victims is not None
+            assert [k for k, _ in victims] == model.victims(candidates, n + 1)
+            for k, chunk in victims:
+                assert statuses.pop(k) is chunk
+                del model.ranks[k]
 
 
 # ---------------------------------------------------------------- ARC

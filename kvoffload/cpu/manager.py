@@ -20,6 +20,11 @@ tier reading back what the request just stored never count as extra uses. A call
 without a request (``req_context=None``: a tier's own transfer) records nothing.
 
 The manager holds no resource: ``shutdown`` only forgets the bookkeeping.
+
+Every call runs once per scheduler step per request, so the hot paths read a policy's
+key -> status dict directly where it has one (``CachePolicy.chunks``), test ``ref_cnt``
+rather than call a property per key, and build the chunk ids' spec without re-checking
+ids the pool itself handed out.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from kvoffload.base import (
@@ -41,12 +47,17 @@ from kvoffload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
-    get_offload_group_idx,
 )
 from kvoffload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo, CPUOffloadingMetrics
-from kvoffload.cpu.policies.base import CachePolicy, ChunkStatus
+from kvoffload.cpu.policies.base import CachePolicy, ChunkStatus, offload_key_positions
 from kvoffload.cpu.policies.factory import CachePolicyFactory
 from kvoffload.errors import ConfigError, KvOffloadError
+
+_MISS = LookupResult.MISS
+_HIT = LookupResult.HIT
+_HIT_PENDING = LookupResult.HIT_PENDING
+# A key's last 4 bytes are its group index, big-endian: as bytes they sort as the ints do.
+_GROUP_BYTES = 4
 
 
 @dataclass(slots=True)
@@ -55,7 +66,7 @@ class _RequestAccess:
 
     manager: object
     generation: int
-    key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)  # group -> keys, first met first
+    key_groups: dict[bytes, list[OffloadKey]] = field(default_factory=dict)  # group -> keys, first met first
     seen: set[OffloadKey] = field(default_factory=set)
     inserted: set[OffloadKey] = field(default_factory=set)
     reused: set[OffloadKey] = field(default_factory=set)
@@ -77,6 +88,11 @@ class CPUOffloadingStats:
     read_usage: float
     allocation_sizes: tuple[int, ...]
     stores_skipped: int | None
+
+
+def _chunk_spec(chunk_ids: list[int]) -> CPULoadStoreSpec:
+    # The pool handed these ids out itself: they need none of the checks a caller's ids get.
+    return CPULoadStoreSpec.from_checked_ids(chunk_ids)
 
 
 def _no_request() -> ReqContext:
@@ -121,6 +137,9 @@ class CPUOffloadingManager(OffloadingManager):
         self.max_tracker_size = max_tracker_size
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
         self._policy: CachePolicy = policy_cls(cache_capacity=num_chunks)
+        # A builtin dict lookup where the policy keeps one dict of every key, its method otherwise.
+        chunks = self._policy.chunks
+        self._get_status = chunks.get if chunks is not None else self._policy.get
         self._next_fresh_chunk = 0
         self._free_chunks: list[int] = []
         # Chunks with ref_cnt 0: a store that needs more than these (less its own keys)
@@ -143,25 +162,27 @@ class CPUOffloadingManager(OffloadingManager):
 
     def _allocate_chunks(self, keys: Sequence[OffloadKey]) -> list[ChunkStatus]:
         """One chunk, write pending, per key: fresh ones first, then the last freed."""
-        chunks: list[ChunkStatus] = []
-        while len(chunks) < len(keys) and self._next_fresh_chunk < self.num_chunks:
-            chunks.append(ChunkStatus(self._next_fresh_chunk))
-            self._next_fresh_chunk += 1
-        while len(chunks) < len(keys):
-            chunks.append(ChunkStatus(self._free_chunks.pop()))
-        return chunks
+        n = len(keys)
+        first_fresh = self._next_fresh_chunk
+        self._next_fresh_chunk = min(first_fresh + n, self.num_chunks)
+        ids = list(range(first_fresh, self._next_fresh_chunk))
+        reused = n - len(ids)
+        if reused:
+            free = self._free_chunks
+            ids += reversed(free[-reused:])
+            del free[-reused:]
+        return [ChunkStatus(chunk_id) for chunk_id in ids]
 
-    def _status(self, key: OffloadKey, action: str) -> ChunkStatus:
-        status = self._policy.get(key)
-        if status is None:
-            raise KvOffloadError(f"{action}: key {key.hex()} is not stored in the CPU tier")
-        return status
+    def _statuses(self, keys: Collection[OffloadKey], action: str) -> list[ChunkStatus]:
+        get = self._get_status
+        statuses = [get(key) for key in keys]
+        for key, status in zip(keys, statuses, strict=True):
+            if status is None:
+                raise KvOffloadError(f"{action}: key {key.hex()} is not stored in the CPU tier")
+        return statuses  # type: ignore[return-value]
 
-    def _emit(self, keys: Iterable[OffloadKey], removed: bool, metadata_only: bool = False) -> None:
-        if self._events is None:
-            return
-        keys = list(keys)
-        if keys:
+    def _emit(self, keys: list[OffloadKey], removed: bool, metadata_only: bool = False) -> None:
+        if self._events is not None and keys:
             self._events.append(OffloadingEvent(keys, self.medium, removed, metadata_only=metadata_only))
 
     # ----------------------------------------------------------------- request accesses
@@ -177,27 +198,33 @@ class CPUOffloadingManager(OffloadingManager):
         self,
         keys: Iterable[OffloadKey],
         req_context: ReqContext,
-        inserted_keys: Iterable[OffloadKey] = (),
-        reused_keys: Iterable[OffloadKey] = (),
+        reused_keys: Collection[OffloadKey] = (),
     ) -> None:
         """Note the keys ``req_context``'s request met; the policy hears of each once."""
         access = self._request_access(req_context)
-        first_met: list[OffloadKey] = []
-        for key in keys:
-            if key in access.seen:
-                continue
+        seen = access.seen
+        first_met = [key for key in dict.fromkeys(keys) if key not in seen]
+        if first_met:
             if access.finished:
                 raise KvOffloadError(
-                    f"request {req_context.req_id!r} met key {key.hex()} after on_request_finished"
+                    f"request {req_context.req_id!r} met key {first_met[0].hex()} after on_request_finished"
                 )
-            access.key_groups.setdefault(get_offload_group_idx(key), []).append(key)
-            access.seen.add(key)
-            first_met.append(key)
-        if first_met:
+            seen.update(first_met)
+            key_groups = access.key_groups
+            for key in first_met:
+                group = key[-_GROUP_BYTES:]
+                if group in key_groups:
+                    key_groups[group].append(key)
+                else:
+                    key_groups[group] = [key]
             self._policy.on_request_access(first_met, req_context)
-        access.inserted.update(inserted_keys)
-        # Reading back a chunk this request stored (a tier cascading it) is not a reuse.
-        access.reused.update(key for key in reused_keys if key not in access.inserted)
+        if reused_keys:
+            # Reading back a chunk this request stored (a tier cascading it) is not a reuse.
+            inserted = access.inserted
+            if inserted:
+                access.reused.update(key for key in reused_keys if key not in inserted)
+            else:
+                access.reused.update(reused_keys)
 
     def _count_offers(self, keys: Sequence[OffloadKey]) -> None:
         """One more offer of each key, for the store threshold."""
@@ -229,10 +256,10 @@ class CPUOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
-        status = self._policy.get(key)
+        status = self._get_status(key)
         if status is None:
-            return LookupResult.MISS
-        return LookupResult.HIT if status.is_ready else LookupResult.HIT_PENDING
+            return _MISS
+        return _HIT if status.ref_cnt >= 0 else _HIT_PENDING
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext | None = None) -> CacheHitSource:
         return CacheHitSource.HOST
@@ -246,25 +273,27 @@ class CPUOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext | None, *, record_access: bool
     ) -> CPULoadStoreSpec:
         """Pin ``keys``; ``record_access=False`` for a tier's own read, which is no request's use."""
-        statuses = [self._status(key, "prepare_load") for key in keys]
-        pending = [key.hex() for key, status in zip(keys, statuses, strict=True) if not status.is_ready]
+        statuses = self._statuses(keys, "prepare_load")
+        pending = [key.hex() for key, status in zip(keys, statuses, strict=True) if status.ref_cnt < 0]
         if pending:
             raise KvOffloadError(f"prepare_load: keys still being written: {', '.join(pending[:4])}")
-        policy = self._policy
+        pinned: list[OffloadKey] = []  # keys this load takes out of the eviction order
         for key, status in zip(keys, statuses, strict=True):
             if status.ref_cnt == 0:
-                self._num_evictable_cache_chunks -= 1
-                policy.mark_non_evictable(key)
+                pinned.append(key)
             status.ref_cnt += 1
+        self._num_evictable_cache_chunks -= len(pinned)
+        if pinned:
+            self._policy.mark_non_evictable_many(pinned)
         if record_access and req_context is not None:
             self._record_request_cache_access(keys, req_context, reused_keys=keys)
-        return CPULoadStoreSpec(status.chunk_id for status in statuses)
+        return _chunk_spec([status.chunk_id for status in statuses])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         self._policy.touch(keys, req_context if req_context is not None else _no_request())
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
-        statuses = [self._status(key, "complete_load") for key in keys]
+        statuses = self._statuses(keys, "complete_load")
         freed: list[OffloadKey] = []  # keys whose last load this is
         for i, (key, status) in enumerate(zip(keys, statuses, strict=True)):
             status.ref_cnt -= 1
@@ -278,9 +307,8 @@ class CPUOffloadingManager(OffloadingManager):
                 raise KvOffloadError(
                     f"complete_load: keys not pinned by a load: {', '.join((unpinned or [key.hex()])[:4])}"
                 )
-        policy = self._policy
-        for key in freed:
-            policy.mark_evictable(key)
+        if freed:
+            self._policy.mark_evictable_many(freed)
         self._num_evictable_cache_chunks += len(freed)
 
     # ----------------------------------------------------------------- stores
@@ -291,16 +319,18 @@ class CPUOffloadingManager(OffloadingManager):
         offered = list(dict.fromkeys(keys))  # a key listed twice still gets one chunk
         if self.counts is not None:
             self._count_offers(offered)
+        get = self._get_status
         missing: list[OffloadKey] = []
         ready: list[OffloadKey] = []  # resident and readable: this offer reuses them
         protected_evictable = 0  # keys of this store that are stored and evictable
         for key in offered:
-            status = self._policy.get(key)
+            status = get(key)
             if status is None:
                 missing.append(key)
-            elif status.is_ready:
+            elif status.ref_cnt >= 0:
                 ready.append(key)
-                protected_evictable += status.ref_cnt == 0
+                if status.ref_cnt == 0:
+                    protected_evictable += 1
         keys_to_store = missing
         if self.counts is not None:
             counts, threshold = self.counts, self.store_threshold
@@ -311,21 +341,24 @@ class CPUOffloadingManager(OffloadingManager):
         access = self._request_access(req_context) if req_context is not None else None
         misses = keys_to_store
         if access is not None:
-            misses = [key for key in keys_to_store if key not in access.store_misses]
-            access.store_misses.update(misses)
+            store_misses = access.store_misses
+            misses = [key for key in keys_to_store if key not in store_misses]
+            store_misses.update(misses)
         if misses:
             # Before insert: ARC learns from a ghost that insert is about to drop.
             self._policy.on_store_miss(misses, context)
         if req_context is not None:
             # Recorded before the pool can refuse the store: the request met these keys
-            # either way. Keys held back by the threshold were not met as cache entries.
-            met = set(keys_to_store).union(ready)
-            self._record_request_cache_access(
-                (key for key in offered if key in met), req_context, reused_keys=ready
-            )
+            # either way. Keys held back by the threshold, or still being written by
+            # another store, were not met as cache entries.
+            met: Iterable[OffloadKey] = offered
+            if len(keys_to_store) + len(ready) < len(offered):
+                met_keys = set(keys_to_store).union(ready)
+                met = [key for key in offered if key in met_keys]
+            self._record_request_cache_access(met, req_context, reused_keys=ready)
 
         if not keys_to_store:
-            return PrepareStoreOutput([], CPULoadStoreSpec(()), [])
+            return PrepareStoreOutput([], _chunk_spec([]), [])
         self.allocation_sizes_in_current_batch.append(len(keys_to_store))
         evicted_keys: list[OffloadKey] = []
         shortfall = len(keys_to_store) - self.num_free_chunks
@@ -336,41 +369,45 @@ class CPUOffloadingManager(OffloadingManager):
             evicted = self._policy.evict(shortfall, set(offered))
             if evicted is None:
                 return None
+            free = self._free_chunks
             for key, status in evicted:
-                self._free_chunks.append(status.chunk_id)
+                free.append(status.chunk_id)
                 evicted_keys.append(key)
             self._num_evictable_cache_chunks -= len(evicted)
-            self._emit(evicted_keys, removed=True)
+            if self._events is not None:
+                self._emit(evicted_keys, removed=True)
         chunks = self._allocate_chunks(keys_to_store)
-        for key, chunk in zip(keys_to_store, chunks, strict=True):
-            self._policy.insert(key, chunk, context)
+        self._policy.insert_many(keys_to_store, chunks, context)
         self._num_write_pending_chunks += len(chunks)
         if access is not None:
             access.inserted.update(keys_to_store)
-        return PrepareStoreOutput(keys_to_store, CPULoadStoreSpec(c.chunk_id for c in chunks), evicted_keys)
+        return PrepareStoreOutput(keys_to_store, _chunk_spec([c.chunk_id for c in chunks]), evicted_keys)
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True
     ) -> None:
         # Only keys whose write is pending are this store's; ready keys belong to an earlier one.
+        get = self._get_status
         finished: list[tuple[OffloadKey, ChunkStatus]] = []
         for key in dict.fromkeys(keys):
-            status = self._policy.get(key)
-            if status is not None and not status.is_ready:
+            status = get(key)
+            if status is not None and status.ref_cnt < 0:
                 finished.append((key, status))
         self._num_write_pending_chunks -= len(finished)
         if success:
-            policy = self._policy
-            for key, status in finished:
+            for _, status in finished:
                 status.ref_cnt = 0
-                policy.mark_evictable(key)
+            stored = [key for key, _ in finished]
+            if stored:
+                self._policy.mark_evictable_many(stored)
             self._num_evictable_cache_chunks += len(finished)
-            self._emit((key for key, _ in finished), removed=False)
+            self._emit(stored, removed=False)
             return
         for key, status in finished:
             self._policy.remove(key)
             self._free_chunks.append(status.chunk_id)
-        self._emit((key for key, _ in finished), removed=True, metadata_only=True)
+        if self._events is not None:
+            self._emit([key for key, _ in finished], removed=True, metadata_only=True)
 
     # ----------------------------------------------------------------- requests, events, reset
 
@@ -387,15 +424,10 @@ class CPUOffloadingManager(OffloadingManager):
         key_groups: list[tuple[OffloadKey, ...]] = []
         for group_idx in sorted(access.key_groups):
             group = access.key_groups[group_idx]
-            ends: dict[OffloadKey, int] = {}
-            for key in group:
-                end = req_context.get_offload_key_position(key)
-                if end is None:
-                    break
-                ends[key] = end
-            else:
+            ends = offload_key_positions(req_context, group)
+            if None not in ends:
                 # Stores may arrive out of order (a backfill); the end tokens do not.
-                group = sorted(group, key=ends.__getitem__)
+                group = [key for _, key in sorted(zip(ends, group, strict=True), key=itemgetter(0))]
             key_groups.append(tuple(group))
         self._policy.on_request_finished(
             tuple(key_groups), access.inserted - access.reused, set(access.reused), req_context
@@ -415,7 +447,7 @@ class CPUOffloadingManager(OffloadingManager):
             if not event.metadata_only:
                 drained.append(event)
                 continue
-            gone = [key for key in event.keys if self._policy.get(key) is None]
+            gone = [key for key in event.keys if self._get_status(key) is None]
             if gone:
                 drained.append(dataclasses.replace(event, keys=gone))
         return drained

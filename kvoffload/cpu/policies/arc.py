@@ -42,20 +42,42 @@ class ARCCachePolicy(CachePolicy):
         self.t2: OrderedDict[OffloadKey, ChunkStatus] = OrderedDict()
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        # What get answers, T1's status before T2's, in one lookup: kept with every change to the lists.
+        self.chunks: dict[OffloadKey, ChunkStatus] = {}
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
-        chunk = self.t1.get(key)
-        return chunk if chunk is not None else self.t2.get(key)
+        return self.chunks.get(key)
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+        self.insert_many((key,), (chunk,), req_context)
+
+    def insert_many(
+        self, keys: Sequence[OffloadKey], chunks: Sequence[ChunkStatus], req_context: ReqContext
+    ) -> None:
         # The ghost already taught its lesson in on_store_miss, before this insert.
-        self.t1[key] = chunk
-        self.b1.pop(key, None)
-        self.b2.pop(key, None)
+        t1, all_chunks, b1, b2 = self.t1, self.chunks, self.b1, self.b2
+        for key, chunk in zip(keys, chunks, strict=True):
+            t1[key] = chunk
+            all_chunks[key] = chunk
+            if key in b1:
+                del b1[key]
+            if key in b2:
+                del b2[key]
 
     def remove(self, key: OffloadKey) -> None:
         if self.t1.pop(key, None) is None:
             self.t2.pop(key, None)
+        self._unlisted(key)
+
+    def _unlisted(self, key: OffloadKey) -> None:
+        """``key`` left a list; a key inserted again while in T2 may still be in the other."""
+        chunk = self.t1.get(key)
+        if chunk is None:
+            chunk = self.t2.get(key)
+        if chunk is None:
+            self.chunks.pop(key, None)
+        else:
+            self.chunks[key] = chunk
 
     def _learn_from_ghost(self, key: OffloadKey) -> None:
         if key in self.b1:
@@ -68,8 +90,10 @@ class ARCCachePolicy(CachePolicy):
             self.b2.move_to_end(key)
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        b1, b2 = self.b1, self.b2
         for key in reversed(list(keys)):
-            self._learn_from_ghost(key)
+            if key in b1 or key in b2:
+                self._learn_from_ghost(key)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         for key in reversed(list(keys)):
@@ -89,20 +113,20 @@ class ARCCachePolicy(CachePolicy):
         reused_keys: Set[OffloadKey],
         req_context: ReqContext,
     ) -> None:
+        t1, t2 = self.t1, self.t2
         # Head last, so the head ends up the most recent of its list.
         for key in reversed(order_request_keys(key_groups, req_context)):
             if key in insertion_only_keys:
                 # A store is recency, not frequency: the key stays in whichever list holds it.
-                if key in self.t1:
-                    self.t1.move_to_end(key)
-                elif key in self.t2:
-                    self.t2.move_to_end(key)
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
             elif key in reused_keys:
-                chunk = self.t1.pop(key, None)
-                if chunk is not None:
-                    self.t2[key] = chunk
-                elif key in self.t2:
-                    self.t2.move_to_end(key)
+                if key in t1:
+                    t2[key] = t1.pop(key)
+                elif key in t2:
+                    t2.move_to_end(key)
 
     def evict(self, n: int, protected: Set[OffloadKey]) -> Eviction | None:
         if n <= 0:
@@ -127,20 +151,32 @@ class ARCCachePolicy(CachePolicy):
                 t1_size -= 1
             plan.append((victim, from_t1))
         victims: Eviction = []
+        t1, t2, b1, b2, chunks = self.t1, self.t2, self.b1, self.b2, self.chunks
         for (key, chunk), from_t1 in plan:
             if from_t1:
-                del self.t1[key]
-                self.b1[key] = None
+                del t1[key]
+                b1[key] = None
             else:
-                del self.t2[key]
-                self.b2[key] = None
+                del t2[key]
+                b2[key] = None
+            if key in t1 or key in t2:
+                self._unlisted(key)
+            else:
+                del chunks[key]
             victims.append((key, chunk))
         for ghosts in (self.b1, self.b2):
             for _ in range(len(ghosts) - self.cache_capacity):
                 ghosts.popitem(last=False)
         return victims
 
+    def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
+        """Nothing to do: eviction reads each chunk's ref_cnt as it walks T1 and T2."""
+
+    def mark_non_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
+        """Nothing to do, as for ``mark_evictable_many``."""
+
     def clear(self) -> None:
+        self.chunks.clear()
         self.t1.clear()
         self.t2.clear()
         self.b1.clear()

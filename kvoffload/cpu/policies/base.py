@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any
 
 from kvoffload.base import OffloadKey, ReqContext
 
@@ -33,10 +35,18 @@ class ChunkStatus:
 
     ``ref_cnt``: -1 while the write is pending, 0 when ready and evictable, n > 0 while
     n loads have it pinned.
+
+    ``rank`` and ``place`` belong to the cache policy holding the key (the LRU keeps the
+    key's recency rank and which of its eviction orders the key waits in), so the policy
+    reads them off the status it already holds rather than from a dict of its own per
+    field: at 100,000 keys every extra dict is one more cold cache line per key and call.
+    The manager never reads them; they take no part in equality.
     """
 
     chunk_id: int
     ref_cnt: int = WRITE_PENDING
+    rank: Any = field(default=None, compare=False, repr=False)
+    place: int = field(default=0, compare=False, repr=False)
 
     @property
     def is_ready(self) -> bool:
@@ -50,6 +60,14 @@ class ChunkStatus:
 Eviction = list[tuple[OffloadKey, ChunkStatus]]
 
 
+def offload_key_positions(req_context: ReqContext, keys: Iterable[OffloadKey]) -> list[int | None]:
+    """The end token the scheduler recorded for each key (``None`` where it recorded none)."""
+    if type(req_context) is ReqContext:
+        return req_context.get_offload_key_positions(keys)
+    # Another library's context (vLLM's own, in a vLLM scheduler), or one that overrides the lookup.
+    return list(map(req_context.get_offload_key_position, keys))
+
+
 def order_request_keys(
     key_groups: Sequence[Sequence[OffloadKey]], req_context: ReqContext
 ) -> list[OffloadKey]:
@@ -60,18 +78,25 @@ def order_request_keys(
     simply chained, each already in its own prefix order.
     """
     keys = [key for group in key_groups for key in group]
-    positions: dict[OffloadKey, int] = {}
-    for key in keys:
-        position = req_context.get_offload_key_position(key)
-        if position is None:
-            return keys
-        positions[key] = position
-    keys.sort(key=positions.__getitem__)
-    return keys
+    positions = offload_key_positions(req_context, keys)
+    if None in positions:
+        return keys
+    return [key for _, key in sorted(zip(positions, keys, strict=True), key=itemgetter(0))]
 
 
 class CachePolicy(ABC):
-    """Eviction order over at most ``cache_capacity`` stored keys."""
+    """Eviction order over at most ``cache_capacity`` stored keys.
+
+    ``chunks``: a policy that keeps every stored key's status in one dict (the same
+    object for its whole life, cleared in place) names it here, and the manager reads
+    it directly instead of calling ``get`` per key; ``None`` where there is no such dict.
+
+    The manager calls the ``*_many`` hooks with a whole call's keys; by default they call
+    the per-key hook once per key, in order. A policy that overrides them does the same
+    work in one pass (a subclass that overrides a per-key hook overrides its batch too).
+    """
+
+    chunks: dict[OffloadKey, ChunkStatus] | None = None
 
     def __init__(self, cache_capacity: int) -> None:
         self.cache_capacity = cache_capacity
@@ -83,6 +108,13 @@ class CachePolicy(ABC):
     @abstractmethod
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
         """Track a key that was just allocated a chunk by ``req_context``'s store."""
+
+    def insert_many(
+        self, keys: Sequence[OffloadKey], chunks: Sequence[ChunkStatus], req_context: ReqContext
+    ) -> None:
+        """``insert`` of each key with its chunk, in order."""
+        for key, chunk in zip(keys, chunks, strict=True):
+            self.insert(key, chunk, req_context)
 
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:
@@ -140,3 +172,13 @@ class CachePolicy(ABC):
     def mark_non_evictable(self, key: OffloadKey) -> None:
         """``key``'s ref_cnt just left 0 (a load pinned it)."""
         return None
+
+    def mark_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
+        """``mark_evictable`` of each key, in order."""
+        for key in keys:
+            self.mark_evictable(key)
+
+    def mark_non_evictable_many(self, keys: Iterable[OffloadKey]) -> None:
+        """``mark_non_evictable`` of each key, in order."""
+        for key in keys:
+            self.mark_non_evictable(key)
