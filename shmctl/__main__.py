@@ -1,4 +1,4 @@
-from shmctl.app import run
+from shmctl.launch import run
 
 if __name__ == "__main__":
     run()

@@ -312,7 +312,7 @@ def test_start_up_imports_nothing_heavy(
     imported = {
         line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")
     }
-    assert "shmctl.app" in imported  # ...and -X importtime saw its imports
+    assert "shmctl.launch" in imported  # ...and -X importtime saw its imports
     assert sorted(m for m in imported if m.split(".")[0] in HEAVY) == []
 
 

@@ -133,3 +133,42 @@ def test_every_enumerated_option_completes_its_values(command: str, option: str,
 
 def test_rank_completes_the_workers_of_the_world_size_typed() -> None:
     assert complete("shmctl init --world-size 3 --rank ", 5) == ["scheduler", "0", "1", "2"]
+
+
+#: Command words as bash hands them over: every prefix of every command, none, nonsense, an
+#: option, a quoted word, and a later word (which the fast path leaves to typer).
+_COMMANDS = ("scan", "reap", "init", "faults", "audit", "metrics", "watch", "doctor")
+_COMMAND_WORDS = sorted(
+    {f"shmctl {name[:n]}" for name in _COMMANDS for n in range(len(name) + 1)}
+    | {"shmctl", "shmctl x", "shmctl -", "shmctl --c", "shmctl 's", "shmctl \\s", "shmctl scan --r"}
+)
+
+
+def _answer(argv: list[str], words: str) -> tuple[int, str]:
+    cword = "2" if words.count(" ") > 1 else "1"
+    env = {**os.environ, "COMP_WORDS": words, "COMP_CWORD": cword, "_SHMCTL_COMPLETE": "complete_bash"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=False)
+    return done.returncode, done.stdout
+
+
+def test_the_command_word_is_answered_as_typer_answers_it() -> None:
+    # The console script answers a bash completion of the command word without typer
+    # (shmctl.launch); typer's own answer comes from shmctl.app. Same bytes, same status.
+    through_typer = [sys.executable, "-c", "import sys; from shmctl.app import main; sys.exit(main())"]
+    launch = [sys.executable, "-m", "shmctl"]
+    for words in _COMMAND_WORDS:
+        assert _answer(launch, words) == _answer(through_typer, words), words
+    assert _answer(launch, "shmctl sc") == (0, "scan\n")
+
+
+def test_the_command_word_is_answered_without_importing_typer() -> None:
+    probe = (
+        "import os, sys; from shmctl import launch; "
+        "os.environ.update(_SHMCTL_COMPLETE='complete_bash', COMP_WORDS='shmctl re', COMP_CWORD='1'); "
+        "launch.main(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'kvoffload')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert done.stdout.splitlines() == ["reap", "[]"]

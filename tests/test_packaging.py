@@ -32,7 +32,7 @@ pytestmark = pytest.mark.xdist_group("packaging")
 
 #: Lines of a build log that mean the packaging config is on its way out.
 WARNING = re.compile(r"(?i)deprecat|SetuptoolsWarning|SetuptoolsDeprecationWarning|\bwarning\b")
-CORE = {"typer", "rich", "prometheus-client"}
+CORE = {"typer", "rich", "prometheus-client", "orjson"}
 MAN_PAGE = REPO / "man" / "shmctl.1"
 CONFIG = '{"kv_connector":"OffloadingConnector","kv_connector_extra_config":{"cpu_bytes_to_use":268435456}}'
 INIT = ("init", "--kv-transfer-config", CONFIG, "--model", "llama-3-8b")

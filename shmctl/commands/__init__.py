@@ -1,4 +1,5 @@
-"""One module per command; each exposes ``register(app)``. Keep imports here cheap.
+"""One module per command; each exposes ``register(app)``. Keep imports here cheap: the
+command table is read without typer (``shmctl.launch``).
 
 A command is built only when it is asked for (``build``): ``shmctl scan`` imports and builds
 ``scan`` alone, and a Tab completion of ``shmctl sc`` builds only the commands it names. Only
@@ -10,8 +11,6 @@ from __future__ import annotations
 
 import importlib
 from typing import Any
-
-import typer
 
 #: Every command, in the order ``shmctl --help`` lists them, and the module declaring it.
 MODULES = {
@@ -32,6 +31,8 @@ def build(name: str, *, rich_markup_mode: Any) -> Any:
     Through typer's public ``get_command`` on an app of that one command, so no private
     builder of typer's is relied on (shmctl runs under typer 0.26 to 0.29).
     """
+    import typer
+
     from shmctl import helptext
 
     module = importlib.import_module(f"shmctl.commands.{MODULES[name]}")
