@@ -218,10 +218,17 @@ def test_json_is_one_line_in_a_pipe_and_indented_on_a_terminal(
 
 
 def _steady(doc: dict[str, object]) -> dict[str, object]:
-    """The document without what moves between two scans a moment apart (the clock)."""
-    entries = doc["entries"]
+    """The document without what moves between two scans a moment apart: the clock, and the
+    unlinked regions of the whole tmpfs that other tests (other pytest workers) map meanwhile."""
+    entries, deleted = doc["entries"], doc["deleted"]
     assert isinstance(entries, list)
-    return doc | {"scanned_at": 0, "entries": [e | {"age_s": 0} for e in entries]}
+    assert isinstance(deleted, list)
+    ours = f"{doc['root']}/"
+    return doc | {
+        "scanned_at": 0,
+        "entries": [e | {"age_s": 0} for e in entries],
+        "deleted": [d for d in deleted if d["path"].startswith(ours)],
+    }
 
 
 def _commands() -> list[str]:
