@@ -31,7 +31,7 @@ on Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import subprocess
 import sys
@@ -40,7 +40,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from figures import Row, compared, entry, interrupt_on_signals, private_dir, profiled, report, signals_ignored
+from figures import (
+    Row,
+    compared,
+    entry,
+    interrupt_on_signals,
+    plan_host,
+    private_dir,
+    profiled,
+    report,
+    signals_ignored,
+)
 
 from kvoffload.liveness import lease
 from kvoffload.liveness.holders import collect_holders
@@ -158,35 +168,9 @@ def host_processes() -> int:
     return sum(1 for name in os.listdir("/proc") if name.isdigit())
 
 
-@contextmanager
-def host(plan: dict[str, object]) -> Iterator[None]:
+def host(plan: dict[str, object]) -> contextlib.AbstractContextManager[None]:
     """The crashed engine's orphans, the sleepers and the engines of ``plan``, until exit."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", _HOST],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a Ctrl-C at the terminal reaches the bench, which ends them
-    )
-    try:
-        assert process.stdin is not None
-        assert process.stdout is not None
-        process.stdin.write(json.dumps(plan) + "\n")
-        process.stdin.flush()
-        if process.stdout.readline() != "ready\n":
-            raise RuntimeError("a sleeper or an engine could not start (see stderr)")
-        yield
-    finally:
-        with signals_ignored():
-            if process.stdin is not None:
-                process.stdin.close()  # EOF: every child exits, and the host reaps them
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
-                process.wait()
-            if process.stdout is not None:
-                process.stdout.close()
+    return plan_host(_HOST, plan, "a sleeper or an engine could not start (see stderr)", wait_s=60)
 
 
 @contextmanager

@@ -37,16 +37,16 @@ SIGTERM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +56,12 @@ from figures import (
     entry,
     import_profile,
     interrupt_on_signals,
+    plan_host,
     private_dir,
     profiled,
     reference,
     report,
     shmctl_argv,
-    signals_ignored,
 )
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -143,36 +143,10 @@ def make_files(directory: Path, count: int, engine: str) -> list[Path]:
     return paths
 
 
-@contextmanager
-def holders(shares: Sequence[Sequence[Path]]) -> Iterator[None]:
+def holders(shares: Sequence[Sequence[Path]]) -> contextlib.AbstractContextManager[None]:
     """One process per share holding its files (even shares mapped, odd ones by fd), until exit."""
     plan = [["map" if k % 2 == 0 else "fd", [str(p) for p in share]] for k, share in enumerate(shares)]
-    host = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER_HOST],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a Ctrl-C at the terminal reaches the bench, which ends them
-    )
-    try:
-        assert host.stdin is not None
-        assert host.stdout is not None
-        host.stdin.write(json.dumps(plan) + "\n")
-        host.stdin.flush()
-        if host.stdout.readline() != "ready\n":
-            raise RuntimeError("a holder process could not hold its files")
-        yield
-    finally:
-        with signals_ignored():
-            if host.stdin is not None:
-                host.stdin.close()  # EOF: every holder exits, and the host reaps them
-            try:
-                host.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(host.pid, signal.SIGKILL)
-                host.wait()
-            if host.stdout is not None:
-                host.stdout.close()
+    return plan_host(_HOLDER_HOST, plan, "a holder process could not hold its files")
 
 
 def timed(argv: Sequence[str], *, ok: Sequence[int] = (0,), **kwargs: Any) -> tuple[float, str]:

@@ -246,6 +246,43 @@ def shmctl_argv() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "shmctl"]
 
 
+@contextlib.contextmanager
+def plan_host(script: str, plan: object, failure: str, wait_s: float = 30.0) -> Iterator[None]:
+    """A helper process (``python -c script``) that reads ``plan`` as one JSON line, sets up
+    what it describes (holders, sleepers, engines), prints ``ready``, and ends all of it at
+    end of file on its stdin. ``failure`` is the error when it does not say ``ready``.
+
+    It runs in a session of its own, so a Ctrl-C at the terminal reaches the bench, which
+    ends it; one that does not exit within ``wait_s`` is killed with its process group.
+    """
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert process.stdin is not None
+        assert process.stdout is not None
+        process.stdin.write(json.dumps(plan) + "\n")
+        process.stdin.flush()
+        if process.stdout.readline() != "ready\n":
+            raise RuntimeError(failure)
+        yield
+    finally:
+        with signals_ignored():
+            if process.stdin is not None:
+                process.stdin.close()  # EOF: everything it started exits, and it reaps them
+            try:
+                process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
+
+
 # ---------------------------------------------------------------- signals and cleanup
 
 
