@@ -520,3 +520,30 @@ def test_break_time_is_none_where_it_cannot_be_read(tmp_path: Path) -> None:
     (tmp_path / "sys" / "fs").mkdir(parents=True)
     (tmp_path / "sys" / "fs" / "lease-break-time").write_text("soon\n")
     assert lease.break_time_s(proc_root=tmp_path) is None
+
+
+def test_a_scan_starts_the_watchdog_only_where_it_probes_a_file(root: Path, engine_id: str) -> None:
+    # An empty root (a node with no engine) takes no lease: no watchdog process is spawned.
+    probe = (
+        "import sys; from kvoffload.liveness import guard, scan; "
+        "scan.scan(sys.argv[1], grace_s=0); print(guard.status().error or 'started')"
+    )
+    empty = subprocess.run(
+        [sys.executable, "-c", probe, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=REPO,
+    )
+    assert empty.stdout.strip() == "not started"
+    write_file(region_path(root, engine_id))
+    one = subprocess.run(
+        [sys.executable, "-c", probe, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=REPO,
+    )
+    assert one.stdout.strip() == "started"
