@@ -57,7 +57,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
-import functools
 import glob
 import itertools
 import os
@@ -70,7 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from kvoffload import procfs
+from kvoffload import procfs, syscalls
 from kvoffload.errors import ConfigError, KvOffloadError, RootError
 from kvoffload.liveness import lease
 from kvoffload.liveness import reap as reaping
@@ -440,50 +439,7 @@ def _root_error(root: Path, error: _PathError) -> RootError:
 def root_identity(fd: int) -> RootIdentity:
     """The identity of the directory open as ``fd``: its inode and the mount it is reached through."""
     st = os.fstat(fd)
-    return RootIdentity(st.st_dev, st.st_ino, _mount_id(fd))
-
-
-#: ``statx(2)``: ``STATX_MNT_ID`` (Linux 5.8), ``AT_EMPTY_PATH``, and where ``stx_mnt_id`` sits
-#: in ``struct statx`` (after the timestamps and the device numbers; the same on every ABI).
-_STATX_MNT_ID = 0x1000
-_AT_EMPTY_PATH = 0x1000
-_STX_MNT_ID_OFFSET = 0x90
-_STATX_SIZE = 256
-
-
-@functools.cache
-def _libc_statx() -> Callable[..., int] | None:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    statx = getattr(libc, "statx", None)
-    if statx is None:
-        return None
-    statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
-    statx.restype = ctypes.c_int
-    result: Callable[..., int] = statx
-    return result
-
-
-def _mount_id(fd: int) -> int | None:
-    """The mount id of ``fd`` (as ``/proc/self/mountinfo`` numbers mounts); None where the kernel hides it."""
-    import ctypes
-
-    statx = _libc_statx()
-    if statx is not None:
-        buffer = ctypes.create_string_buffer(_STATX_SIZE)
-        answered = statx(fd, b"", _AT_EMPTY_PATH, _STATX_MNT_ID, buffer) == 0
-        if answered and ctypes.c_uint32.from_buffer(buffer).value & _STATX_MNT_ID:
-            return ctypes.c_uint64.from_buffer(buffer, _STX_MNT_ID_OFFSET).value
-    # Older kernels (before 5.8) tell it only in the fd's info.
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", "rb") as info:
-            for line in info:
-                if line.startswith(b"mnt_id:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return RootIdentity(st.st_dev, st.st_ino, syscalls.mount_id(fd))
 
 
 def _filesystem_type(fd: int, mount_id: int | None, mountinfo: Path = mounts.MOUNTINFO) -> str:

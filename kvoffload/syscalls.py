@@ -1,0 +1,110 @@
+"""The Linux calls the standard library does not wrap, through libc: ``renameat2`` and ``statx``.
+
+Each is looked up once, on first use (``ctypes`` costs start-up time that ``shmctl --help``
+must not pay), and fails as ``OSError`` with the kernel's errno, like ``os``'s own calls.
+A libc without the symbol (musl before 1.2.5 has no ``statx``) gives ``ENOSYS``.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: ``RENAME_NOREPLACE`` (linux/fs.h): fail with ``EEXIST`` rather than replace the target.
+RENAME_NOREPLACE = 1
+
+#: ``statx(2)`` masks and flags (linux/stat.h, linux/fcntl.h).
+STATX_BTIME = 0x800
+STATX_MNT_ID = 0x1000
+AT_EMPTY_PATH = 0x1000
+#: Offsets in ``struct statx``, the same on every ABI: the mask, the birth time and the mount id.
+_STX_MASK = 0x00
+_STX_BTIME = 0x50
+_STX_MNT_ID = 0x90
+_STATX_SIZE = 256
+
+
+@functools.cache
+def _libc_function(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    function = getattr(libc, name, None)
+    if function is None:
+        return None
+    function.argtypes = list(argtypes)
+    function.restype = ctypes.c_int
+    found: Callable[..., int] = function
+    return found
+
+
+def _raise_errno(what: str) -> None:
+    import ctypes
+
+    code = ctypes.get_errno()
+    raise OSError(code, os.strerror(code), what)
+
+
+def renameat2(old_dir: int, old: str, new_dir: int, new: str, flags: int = RENAME_NOREPLACE) -> None:
+    """``renameat2(2)``; ``RENAME_NOREPLACE`` by default: ``EEXIST`` rather than replace a file."""
+    import ctypes
+
+    function = _libc_function(
+        "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
+    )
+    if function is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not in this libc", old)
+    if function(old_dir, os.fsencode(old), new_dir, os.fsencode(new), flags) != 0:
+        _raise_errno(old)
+
+
+@dataclass(frozen=True, slots=True)
+class Statx:
+    """What ``statx`` tells beyond ``fstat``; None where this kernel or filesystem does not say."""
+
+    #: The mount the fd is reached through, as ``/proc/self/mountinfo`` numbers mounts (5.8+).
+    mount_id: int | None
+    #: When the inode was made, in ns since the epoch (tmpfs keeps it on 6.x kernels).
+    birth_ns: int | None
+
+
+def statx(fd: int) -> Statx:
+    """``statx(fd, "", AT_EMPTY_PATH, STATX_MNT_ID|STATX_BTIME)`` of an open fd."""
+    import ctypes
+
+    function = _libc_function(
+        "statx", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p
+    )
+    if function is None:
+        return Statx(_fdinfo_mount_id(fd), None)
+    buffer = ctypes.create_string_buffer(_STATX_SIZE)
+    if function(fd, b"", AT_EMPTY_PATH, STATX_MNT_ID | STATX_BTIME, buffer) != 0:
+        return Statx(_fdinfo_mount_id(fd), None)
+    mask = ctypes.c_uint32.from_buffer(buffer, _STX_MASK).value
+    mount_id = ctypes.c_uint64.from_buffer(buffer, _STX_MNT_ID).value if mask & STATX_MNT_ID else None
+    birth = None
+    if mask & STATX_BTIME:
+        seconds = ctypes.c_int64.from_buffer(buffer, _STX_BTIME).value
+        birth = seconds * 1_000_000_000 + ctypes.c_uint32.from_buffer(buffer, _STX_BTIME + 8).value
+    return Statx(mount_id if mount_id is not None else _fdinfo_mount_id(fd), birth)
+
+
+def mount_id(fd: int) -> int | None:
+    """The mount id of ``fd``; None where the kernel hides it."""
+    return statx(fd).mount_id
+
+
+def _fdinfo_mount_id(fd: int) -> int | None:
+    # Kernels before 5.8 tell it only in the fd's info.
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as info:
+            for line in info:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
