@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvoffload.liveness.park import format_park_name
 from kvoffload.liveness.reap import reap
 from kvoffload.liveness.watch import KeptOtherUser, Removed, WatchConfig, Watcher
 from shmctl.render.watch import event_document
+from tests.parks import dead_park
 from tests.procs import NOBODY, REPO, Child, region_path, write_file
 from tests.schemas import validate
 
@@ -245,10 +245,10 @@ def test_a_dead_reapers_parked_file_of_another_user_gets_its_name_back_unless_al
     root: Path, engine_id: str
 ) -> None:
     def parked_file() -> tuple[Path, Path]:
-        # A park directory as a SIGKILLed root reaper leaves it: named for it, unlocked.
-        folder = root / format_park_name(4_194_303, 1)
-        folder.mkdir(mode=0o700)
-        return folder, dead_file(folder, engine_id, OTHER_UID)
+        # Parked by a root reaper (with --all-users) that was SIGKILLed: marked, unlocked.
+        file = dead_file(root, engine_id, OTHER_UID)
+        folder = dead_park(root, file)
+        return folder, folder / file.name
 
     folder, parked = parked_file()
     left = reap(root, grace_s=0)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import random
 import select
 import shutil
@@ -35,18 +34,10 @@ import pytest
 from kvoffload.liveness.park import PARK_PREFIX
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import scan
+from tests.parks import dead_park, parks, running_park
 from tests.procs import REPO, region_path, uninspectable_pids, write_file
 from tests.schemas import validate
-
-_SYSCALLS = {
-    "x86_64": {"renameat2": 316, "unlinkat": 263, "mkdirat": 258, "flock": 73, "openat": 257},
-    "aarch64": {"renameat2": 276, "unlinkat": 35, "mkdirat": 34, "flock": 32, "openat": 56},
-}.get(platform.machine())
-
-needs_strace = pytest.mark.skipif(
-    shutil.which("strace") is None or _SYSCALLS is None or os.geteuid() != 0,
-    reason="needs strace, root (to trace and to lease any file) and x86_64/aarch64",
-)
+from tests.traced import _SYSCALLS, Traced, cli, needs_strace
 
 #: The engine, driven over stdin. ``recreate P``: unlink P if there, create it O_EXCL, size it,
 #: map it and write a marker, as vLLM's creator does; ``symlink P T`` / ``directory P``: put a
@@ -149,84 +140,8 @@ def engine() -> Iterator[Engine]:
     e.close()
 
 
-#: No bytecode written (its mkdir and rename would count among the traced syscalls), and no
-#: lease watchdog: it exists to SIGKILL a lease holder that is stopped or traced, which is
-#: exactly what strace does to the reaper here on purpose (docs/leases.md).
-TRACED_ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "SHMCTL_LEASE_GUARD": "off"}
-
-
-def cli(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "shmctl", *argv]
-
-
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cli(*argv), capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
-
-
-class Traced:
-    """The CLI under ``strace``, pausing (or killed) at the ``when``-th entry of ``syscall``."""
-
-    def __init__(self, syscall: str, when: int, action: str, *argv: str) -> None:
-        assert _SYSCALLS is not None
-        self.number = _SYSCALLS[syscall]
-        inject = f"inject={syscall}:{action}:when={when}"
-        self.proc = subprocess.Popen(
-            [
-                "strace",
-                "-f",
-                "-qq",
-                "-o",
-                os.environ.get("DBG_STRACE", "/dev/null"),
-                "-e",
-                f"trace={syscall}",
-                "-e",
-                inject,
-                *cli(*argv),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            env=TRACED_ENV,
-        )
-
-    def pid(self, timeout: float = 30) -> int:
-        """The traced CLI's pid (strace's child)."""
-        deadline = time.monotonic() + timeout
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
-        strace = os.path.realpath(shutil.which("strace") or "strace")
-        while time.monotonic() < deadline:
-            for pid in children.read_text().split() if children.exists() else []:
-                try:
-                    exe = os.readlink(f"/proc/{pid}/exe")
-                except OSError:
-                    continue
-                if exe != strace:  # exec'd: the CLI itself, not strace's child before its exec
-                    return int(pid)
-            time.sleep(0.002)
-        raise AssertionError("strace started no process")
-
-    def wait_in_syscall(self, timeout: float = 60) -> int:
-        """Block until the CLI sits at the entry of the syscall (paused by strace); its pid."""
-        pid = self.pid()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                current = Path(f"/proc/{pid}/syscall").read_text().split()
-            except OSError:
-                current = []  # gone: then strace is done too, and the loop ends
-            if current and current[0] == str(self.number):
-                return pid
-            time.sleep(0.002)
-        raise AssertionError(f"the reaper never reached syscall {self.number}: {self.finish()}")
-
-    def finish(self, timeout: float = 120) -> tuple[int, str, str]:
-        out, err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, out, err
-
-
-def parks(root: Path) -> list[str]:
-    return sorted(n for n in os.listdir(root) if n.startswith(PARK_PREFIX))
 
 
 def orphan(root: Path, engine_id: str, segment: int = 0) -> Path:
@@ -374,7 +289,8 @@ KILL_POINTS = {
     "at the second park rename": ("renameat2", 2),
     "at the first unlink": ("unlinkat", 1),
     "at the second unlink": ("unlinkat", 2),
-    "at the rmdir of the park directory": ("unlinkat", 4),
+    "at the removal of the park directory's mark": ("unlinkat", 4),
+    "at the rmdir of the park directory": ("unlinkat", 5),
 }
 
 
@@ -405,6 +321,33 @@ def test_a_reaper_killed_before_any_syscall_leaves_nothing_a_later_reap_cannot_s
     assert parks(root) == []
     assert engine.ask("check", live) == {"ino": made, "nlink": 1, "named": True, "marker": "NEW!"}
     assert sorted(os.listdir(root)) == [live.name]
+
+
+@needs_strace
+def test_a_reaper_killed_between_its_parks_mkdir_and_its_mark_leaves_a_park_the_next_reap_removes(
+    root: Path, engine_id: str
+) -> None:
+    """The park directory exists unmarked for two syscalls: killed there, the reaper leaves an
+    empty, unmarked directory of its own uid (``unfinished``), which is what a later reap may
+    remove, and the only unmarked one it ever does."""
+    dead = orphan(root, engine_id)
+    killed = Traced("mkdirat", 1, "delay_exit=3000000", "reap", "--root", str(root), "--grace", "0s", "--yes")
+    pid = killed.wait_in_syscall()
+    deadline = time.monotonic() + 30
+    while not parks(root):
+        assert time.monotonic() < deadline, "the reaper never made its park directory"
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGKILL)
+    killed.finish()
+    (left,) = parks(root)
+    assert os.listdir(root / left) == []
+    scanned = json.loads(run_cli("scan", "--root", str(root), "--grace", "0s", "--json").stdout)
+    assert [(p["name"], p["unfinished"]) for p in scanned["parks"]] == [(left, True)]
+    settled = run_cli("reap", "--root", str(root), "--grace", "0s", "--yes", "--json")
+    report = json.loads(settled.stdout)
+    assert report["parks_removed"] == [left]
+    assert [e["name"] for e in report["removed"]] == [dead.name]
+    assert os.listdir(root) == []
 
 
 def _kill_after_the_park_rename(root: Path, path: Path, engine: Engine) -> None:
@@ -486,16 +429,9 @@ def test_a_parked_live_file_whose_name_was_taken_is_a_conflict_with_both_kept_th
 
 def test_a_running_reapers_park_directory_is_left_to_it(root: Path, engine_id: str) -> None:
     """A park directory whose lock is held belongs to a reap at work: nothing in it is touched."""
-    import fcntl
-
-    from kvoffload.liveness.park import format_park_name
-
-    name = format_park_name(os.getpid(), 1)
-    (root / name).mkdir(mode=0o700)
-    parked = write_file(root / name / region_path(root, engine_id).name, 4096, touch=2)
-    fd = os.open(root / name, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    dead = write_file(region_path(root, engine_id), 4096, touch=2)
+    with running_park(root, dead) as folder:
+        parked = folder / dead.name
         (entry,) = scan(root, grace_s=0).entries
         assert entry.parked is not None
         assert entry.parked.reaper_running
@@ -506,10 +442,9 @@ def test_a_running_reapers_park_directory_is_left_to_it(root: Path, engine_id: s
         assert parked.exists()
         assert report.removed == ()
         assert report.restored == ()
-    finally:
-        os.close(fd)
-    report = reap(root, grace_s=0)
+    report = reap(root, grace_s=0)  # its reaper is dead now
     assert [e.name for e in report.removed] == [parked.name]
+    assert report.parks_removed == (folder.name,)
     assert parks(root) == []
 
 
@@ -564,22 +499,13 @@ def test_reap_under_a_low_fd_limit_still_removes_every_orphan(
     assert os.listdir(root) == []
 
 
-def _dead_reapers_park(root: Path) -> Path:
-    """A park directory as a SIGKILLed reaper leaves it: named for it, unlocked."""
-    from kvoffload.liveness.park import format_park_name
-
-    folder = root / format_park_name(4_194_303, 1)
-    folder.mkdir(mode=0o700)
-    return folder
-
-
 def test_the_agent_settles_a_dead_reapers_park_in_one_pass(root: Path, engine_id: str) -> None:
     from kvoffload.liveness.watch import WatchConfig, Watcher
     from tests.procs import Child
 
-    folder = _dead_reapers_park(root)
-    dead = write_file(folder / region_path(root, f"{engine_id}-dead").name, 4096, touch=2)
-    held = write_file(folder / region_path(root, f"{engine_id}-held").name, 4096, touch=2)
+    files = [write_file(region_path(root, f"{engine_id}-{n}"), 4096, touch=2) for n in ("dead", "held")]
+    folder = dead_park(root, *files)
+    dead, held = (folder / f.name for f in files)
     seen: list[Any] = []
     watcher = Watcher(
         WatchConfig(roots=(str(root),), interval_s=0, reap=True, grace_s=0), on_event=seen.append
@@ -604,8 +530,8 @@ def test_the_agent_settles_a_dead_reapers_park_in_one_pass(root: Path, engine_id
 def test_a_dead_parked_file_whose_name_was_taken_goes_and_the_new_file_stays(
     root: Path, engine_id: str
 ) -> None:
-    folder = _dead_reapers_park(root)
-    parked = write_file(folder / region_path(root, engine_id).name, 4096, touch=2)
+    folder = dead_park(root, write_file(region_path(root, engine_id), 4096, touch=2))
+    parked = folder / region_path(root, engine_id).name
     taken = write_file(root / parked.name, 8192, touch=2)
     new_ino = taken.stat().st_ino
     plan = reap(root, grace_s=0, dry_run=True)
@@ -627,8 +553,8 @@ def test_a_dead_parked_file_whose_name_was_taken_goes_and_the_new_file_stays(
 def test_a_not_chosen_dead_parked_region_is_given_back_to_be_judged_as_usual(
     root: Path, engine_id: str
 ) -> None:
-    folder = _dead_reapers_park(root)
-    parked = write_file(folder / region_path(root, engine_id).name, 4096, touch=2)
+    folder = dead_park(root, write_file(region_path(root, engine_id), 4096, touch=2))
+    parked = folder / region_path(root, engine_id).name
     report = reap(root, grace_s=0, filters=ReapFilter(engine_ids=("someone-else",)))
     assert [e.name for e in report.restored] == [parked.name]
     assert (root / parked.name).exists()
@@ -726,8 +652,8 @@ def test_sigstop_of_a_real_reap_at_random_moments_never_stalls_an_opener_nor_los
 def test_without_a_lease_a_dead_parked_file_is_given_back_not_removed(root: Path, engine_id: str) -> None:
     """Removing a parked file needs its lease now; without one it goes back to its name, where an
     ordinary reap judges it on the evidence it has (here a fresh /proc pass)."""
-    folder = _dead_reapers_park(root)
-    parked = write_file(folder / region_path(root, engine_id).name, 4096, touch=2)
+    folder = dead_park(root, write_file(region_path(root, engine_id), 4096, touch=2))
+    parked = folder / region_path(root, engine_id).name
     report = reap(root, grace_s=0, use_lease=False, assume_not_holding=uninspectable_pids())
     assert [e.name for e in report.restored] == [parked.name]
     assert report.removed == ()

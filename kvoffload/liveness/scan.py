@@ -81,6 +81,7 @@ __all__ = [
     "ScanStream",
     "ScanSummary",
     "Status",
+    "UntrustedPark",
     "open_root",
     "scan",
 ]
@@ -92,7 +93,8 @@ DEFAULT_GRACE_S = 30.0
 #: 4: the scan report gained ``huge_pages`` (the root's mount and its huge pages, as the plan's).
 #: 5: the status ``parked`` and entries' ``parked``; the report ``parks`` and
 #: ``lease_break_time_s``; the summary ``parked`` and ``parked_resident_bytes``.
-SCHEMA_VERSION = 5
+#: 6: the report ``untrusted_parks``; parks' ``unfinished`` and ``strangers``.
+SCHEMA_VERSION = 6
 _REMOVED = "removed during the scan"
 _PROBE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 #: Another prober (a concurrent scan or reap) holds its lease for microseconds; an open
@@ -140,7 +142,8 @@ class ParkedView:
 
 @dataclass(frozen=True, slots=True)
 class ParkView:
-    """A reaper's park directory in the root (``.shmctl-park-<pid>-<start ticks>-<random>``)."""
+    """A reaper's park directory in the root (``.shmctl-park-<pid>-<start ticks>-<random>``),
+    trusted as one (``park.judge``: its name, owner, mode 0700, mount and its reaper's mark)."""
 
     name: str
     uid: int
@@ -150,6 +153,26 @@ class ParkView:
     running: bool | None
     files: int
     problem: str | None = None
+    #: Empty and unmarked, the caller's own: a reaper killed as it made or removed it. ``reap``
+    #: removes it.
+    unfinished: bool = False
+    #: Entries in it that no reaper of ours parks (other names; files of another uid in a park
+    #: that is not root's): never touched, and they keep the directory.
+    strangers: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UntrustedPark:
+    """An entry named like a park directory that is not a reaper's (``park.judge``): never
+    entered, renamed or removed. Listed so that nothing can hide behind one."""
+
+    name: str
+    #: ``directory``, ``symlink``, ``file``, ``fifo``, ``socket`` or ``device``.
+    kind: str
+    uid: int
+    #: Its permission bits in octal, as ``ls`` and ``chmod`` write them (``"0755"``).
+    mode: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +284,8 @@ class ScanReport:
     parks: tuple[ParkView, ...] = ()
     #: ``fs.lease-break-time``: how long an opener may wait on a lease whose holder is frozen.
     lease_break_time_s: float | None = None
+    #: Entries named like park directories that are not a reaper's (never touched).
+    untrusted_parks: tuple[UntrustedPark, ...] = ()
 
     @property
     def blind_spots(self) -> tuple[Uninspected, ...]:
@@ -428,9 +453,9 @@ def scan(
         entries = _judge(
             root, listed, regions, probes, index, view, when=when, grace_s=grace_s, host=Host.of(proc_root)
         )
-        parks: tuple[ParkView, ...] = ()
+        parks = _JudgedParks()
         if park_names:
-            parks, parked = _judge_parks(
+            parks = _judge_parks(
                 root,
                 dir_fd,
                 park_names,
@@ -439,8 +464,9 @@ def scan(
                 probe_args=(lease_off, euid),
                 when=when,
                 owners=owners,
+                adopter=park.Adopter.of(all_users, euid),
             )
-            entries = tuple(sorted(entries + parked, key=lambda e: (e.engine_id, e.segment, e.name)))
+            entries = tuple(sorted(entries + parks.parked, key=lambda e: (e.engine_id, e.segment, e.name)))
     return ScanReport(
         schema_version=SCHEMA_VERSION,
         root=root,
@@ -454,8 +480,9 @@ def scan(
         visibility=view.visibility,
         lease_enabled=lease_off is None,
         huge_pages=mounts.check_huge_pages(root),
-        parks=parks,
+        parks=parks.parks,
         lease_break_time_s=lease.break_time_s(proc_root),
+        untrusted_parks=parks.untrusted,
     )
 
 
@@ -499,6 +526,7 @@ class ScanStream:
             raise ConfigError("grace", f"must not be negative, got {grace_s:g}s")
         self._euid = os.geteuid()
         self._owners = _Owners.of(all_users, self._euid)
+        self._adopter = park.Adopter.of(all_users, self._euid)
         self.root = Path(root)
         self._grace_s = grace_s
         self._assume = frozenset(assume_not_holding)
@@ -585,10 +613,11 @@ class ScanStream:
         self.scanned_at = time.time() if self._now is None else self._now
         return self.scanned_at
 
-    def parked(self) -> tuple[tuple[ParkView, ...], tuple[ScanEntry, ...]]:
-        """The reapers' park directories in the root, and a ``parked`` entry per file in them."""
+    def parked(self) -> _JudgedParks:
+        """The reapers' park directories in the root, a ``parked`` entry per file in them, and
+        what is named like one but is not a reaper's."""
         if not self._park_names:
-            return (), ()
+            return _JudgedParks()
         return _judge_parks(
             self.root,
             self.dir_fd,
@@ -598,6 +627,7 @@ class ScanStream:
             probe_args=(self._lease_off, self._euid),
             when=self._when(),
             owners=self._owners,
+            adopter=self._adopter,
         )
 
     def regions(self) -> Iterator[tuple[ScanEntry, ...]]:
@@ -971,6 +1001,16 @@ def _entry(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _JudgedParks:
+    """The park directories of a root (``ScanReport.parks``), the files in them (``parked``
+    entries), and the entries named like parks that are not a reaper's."""
+
+    parks: tuple[ParkView, ...] = ()
+    parked: tuple[ScanEntry, ...] = ()
+    untrusted: tuple[UntrustedPark, ...] = ()
+
+
 def _judge_parks(
     root: Path,
     dir_fd: int,
@@ -981,21 +1021,43 @@ def _judge_parks(
     probe_args: tuple[LeaseProbe | None, int],
     when: float,
     owners: _Owners,
-) -> tuple[tuple[ParkView, ...], tuple[ScanEntry, ...]]:
-    """Every park directory of the root, and a ``parked`` entry for each region file in it.
+    adopter: park.Adopter,
+) -> _JudgedParks:
+    """Every entry of the root named like a park directory: trusted or not, and a ``parked``
+    entry for each region file in a trusted one.
 
     A parked file is judged on the same evidence as any region file, but with no grace
     period (its reaper proved it dead once, and renaming it changed its ctime) and never as
     ``orphaned``: its status is ``parked``, and what the evidence says decides the action
-    ``reap`` takes (``ParkedView``).
+    ``reap`` takes (``ParkedView``). A reaper parks only regular files with one link, and one
+    that is not root only files of its own uid: anything else in its directory is a stranger,
+    never judged or touched, and keeps the directory.
     """
     lease_off, euid = probe_args
+    root_id = park.RootId.of(dir_fd)
     views: list[ParkView] = []
     entries: list[ScanEntry] = []
+    untrusted: list[UntrustedPark] = []
     for name in park_names:
-        found = park.inspect_park(dir_fd, name)
+        found = park.judge(dir_fd, name, root_id, adopter)
         if found is None:
             continue
+        if isinstance(found, park.Untrusted):
+            untrusted.append(UntrustedPark(name, found.kind, found.uid, f"{found.mode:04o}", found.reason))
+            continue
+        parked: list[ScanEntry] = []
+        if found.files:
+            try:
+                park_fd = park.open_park(dir_fd, name)
+            except OSError:
+                park_fd = -1
+            if park_fd >= 0:
+                try:
+                    parked = _judge_parked(
+                        root, dir_fd, park_fd, found, index, view, lease_off, euid, when, owners
+                    )
+                finally:
+                    os.close(park_fd)
         reaper = found.reaper
         views.append(
             ParkView(
@@ -1004,23 +1066,14 @@ def _judge_parks(
                 reaper_pid=reaper.pid if reaper else None,
                 reaper_start_ticks=reaper.start_ticks if reaper else None,
                 running=found.running,
-                files=len(found.files or ()),
+                files=len(parked),
                 problem=found.problem,
+                unfinished=found.unfinished,
+                strangers=len(found.others) + len(found.files or ()) - len(parked),
             )
         )
-        if not found.files:
-            continue
-        try:
-            park_fd = park.open_park(dir_fd, name)
-        except OSError:
-            continue
-        try:
-            entries.extend(
-                _judge_parked(root, dir_fd, park_fd, found, index, view, lease_off, euid, when, owners)
-            )
-        finally:
-            os.close(park_fd)
-    return tuple(views), tuple(entries)
+        entries.extend(parked)
+    return _JudgedParks(tuple(views), tuple(entries), tuple(untrusted))
 
 
 def _judge_parked(
@@ -1037,6 +1090,14 @@ def _judge_parked(
 ) -> list[ScanEntry]:
     parsed = ((name, names.parse(name)) for name in found.files or ())
     listed = _stat_names(root, park_fd, [(name, region) for name, region in parsed if region is not None])
+    # A reaper parks only what it proved: regular files with one link (and, unless it is root,
+    # of its own uid). Anything else in its directory (a symlink, a fifo, a directory, a hard
+    # link, another uid's file) its owner put there: a stranger, never judged, moved or removed.
+    listed = [
+        m
+        for m in listed
+        if stat.S_ISREG(m.st.st_mode) and m.st.st_nlink == 1 and found.uid in (0, m.st.st_uid)
+    ]
     groups = _Sorted.of(listed, owners)
     by_name = {m.name: m for m in listed}
     reaper = found.reaper

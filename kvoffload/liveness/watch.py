@@ -71,7 +71,7 @@ from typing import ClassVar
 
 from kvoffload import procfs, syscalls
 from kvoffload.errors import ConfigError, KvOffloadError, RootError
-from kvoffload.liveness import lease
+from kvoffload.liveness import lease, park
 from kvoffload.liveness import reap as reaping
 from kvoffload.liveness.holders import HolderIndex, collect_holders
 from kvoffload.liveness.park import PARK_PREFIX
@@ -82,6 +82,7 @@ from kvoffload.liveness.scan import (
     ScanStream,
     ScanSummary,
     Status,
+    UntrustedPark,
     uids_text,
 )
 from kvoffload.shm import mounts
@@ -93,10 +94,14 @@ __all__ = [
     "KUBELET_ROOTS",
     "Event",
     "KeptOtherUser",
+    "KeptParked",
     "KeptUnknown",
+    "ParkRemoved",
+    "ParkUntrusted",
     "ParkedSettled",
     "PassReport",
     "PassSummary",
+    "RemovalFailed",
     "RemovalRefused",
     "Removed",
     "RemovedFile",
@@ -588,6 +593,54 @@ class ParkedSettled(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class RemovalFailed(Event):
+    """Orphaned files the agent should have removed and could not, for a failure of its own (an
+    errno; a root out of inodes where others may rename): kept, with the reason. Told each
+    time it happens."""
+
+    event: ClassVar[str] = "removal_failed"
+    engine_id: str = ""
+    bytes: int = 0
+    files: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KeptParked(Event):
+    """With ``reap``, an orphaned region not nominated because files of it (same engine, same
+    owner) wait in a reaper's park directory: removed once they are settled. Told when it
+    starts (again if its files change)."""
+
+    event: ClassVar[str] = "kept_parked"
+    engine_id: str = ""
+    bytes: int = 0
+    files: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ParkUntrusted(Event):
+    """An entry named like a reaper's park directory that is not one (docs/reap-protocol.md:
+    the trust rules): never entered, renamed or removed, and nothing in it holds back a
+    region. Told once per entry (again if its owner, mode or reason changes)."""
+
+    event: ClassVar[str] = "park_untrusted"
+    name: str = ""
+    kind: str = ""
+    uid: int = 0
+    mode: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ParkRemoved(Event):
+    """A park directory a dead reaper left, emptied (or never finished), removed."""
+
+    event: ClassVar[str] = "park_removed"
+    name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PassSummary(Event):
     """The end of a pass: ``orphaned_bytes`` is what orphans still pin after it."""
 
@@ -698,6 +751,10 @@ class _RootState:
     unknown: frozenset[bytes] = _NO_REGIONS
     #: Regions told ``kept_other_user`` in the last pass (likewise).
     others: frozenset[bytes] = _NO_REGIONS
+    #: Regions told ``kept_parked`` in the last pass (likewise).
+    held: frozenset[bytes] = _NO_REGIONS
+    #: Look-alike park directories told ``park_untrusted`` in the last pass (likewise).
+    untrusted: frozenset[bytes] = _NO_REGIONS
     error: str | None = None
     last_success: float | None = None
     #: The directory first seen at the root's path (pinned: another one there is a new root).
@@ -972,6 +1029,8 @@ class Watcher:
         orphaned: set[bytes] = set()
         unknown: set[bytes] = set()
         others: set[bytes] = set()
+        held: set[bytes] = set()
+        untrusted: set[bytes] = set()
         pending: list[tuple[ScanEntry, ...]] = []
         pending_files = 0
         with ScanStream(
@@ -984,11 +1043,14 @@ class Watcher:
             holders=None if fresh else self._holders,
             root_fd=fd,
         ) as stream:
-            parks, parked = stream.parked()
+            judged = stream.parked()
+            parks, parked = judged.parks, judged.parked
+            self._tell_untrusted(root, state, judged.untrusted, untrusted)
             # What a dead reaper left parked is settled every pass (a live file must get its name
             # back now; a dead one was proven dead before it was parked, and is proven dead again
-            # under its lease before it goes). An engine with parked files is not nominated.
-            waiting = {e.engine_id for e in parked}
+            # under its lease before it goes). A region with files parked (in a trusted park: no
+            # other is even listed) is not nominated, if they are its own: same engine and owner.
+            waiting = _parked_by(parked)
             if removable and any(p.running is False for p in parks) and not self._should_stop():
                 self._settle(root, state, stream, parks, parked, tally)
             else:
@@ -998,9 +1060,13 @@ class Watcher:
                 if removable and all(e.status is Status.ORPHANED for e in region):
                     key = _region_key(region)
                     foreign = self._foreign_uids(region)
+                    waits = _waiting_for(region, waiting)
                     if foreign:
                         self._tell_other_user(root, state, region, key, foreign, others)
-                    elif key in before and region[0].engine_id not in waiting and not self._should_stop():
+                    elif waits:
+                        self._tell_held(root, state, region, key, waits, held)
+                        orphaned.add(key)
+                    elif key in before and not self._should_stop():
                         pending.append(region)
                         pending_files += len(region)
                         if pending_files >= _REMOVAL_BATCH_FILES:
@@ -1019,7 +1085,62 @@ class Watcher:
         state.orphaned = frozenset(orphaned) if orphaned else _NO_REGIONS
         state.unknown = frozenset(unknown) if unknown else _NO_REGIONS
         state.others = frozenset(others) if others else _NO_REGIONS
+        state.held = frozenset(held) if held else _NO_REGIONS
+        state.untrusted = frozenset(untrusted) if untrusted else _NO_REGIONS
         return scanned
+
+    def _tell_held(
+        self,
+        root: Path,
+        state: _RootState,
+        region: tuple[ScanEntry, ...],
+        key: bytes,
+        waits: list[ScanEntry],
+        told: set[bytes],
+    ) -> None:
+        """``kept_parked`` for an orphaned region whose own files wait parked, once."""
+        told.add(key)
+        if key in state.held:
+            return
+        first = waits[0]
+        assert first.parked is not None
+        state_word = "its reaper runs" if first.parked.reaper_running else "its reaper is dead"
+        self._emit(
+            KeptParked(
+                self._clock(),
+                root,
+                state.pod_uid,
+                engine_id=region[0].engine_id,
+                bytes=sum(e.resident_bytes for e in region),
+                files=len(region),
+                reason=(
+                    f"orphaned, but {len(waits)} file(s) of its region wait in {first.parked.directory} "
+                    f"({state_word}): removed once they are settled"
+                ),
+            )
+        )
+
+    def _tell_untrusted(
+        self, root: Path, state: _RootState, found: Sequence[UntrustedPark], told: set[bytes]
+    ) -> None:
+        """``park_untrusted`` for each look-alike park directory, once while it stays as it is."""
+        for u in found:
+            key = "\0".join((u.name, u.kind, str(u.uid), u.mode, u.reason)).encode("utf-8", "surrogatepass")
+            told.add(key)
+            if key in state.untrusted:
+                continue
+            self._emit(
+                ParkUntrusted(
+                    self._clock(),
+                    root,
+                    state.pod_uid,
+                    name=u.name,
+                    kind=u.kind,
+                    uid=u.uid,
+                    mode=u.mode,
+                    reason=u.reason,
+                )
+            )
 
     def _foreign_uids(self, region: Sequence[ScanEntry]) -> tuple[int, ...]:
         """The uids of the region's files that keep it from being removed (none with ``all_users``)."""
@@ -1066,15 +1187,16 @@ class Watcher:
         """Remove nominated regions (``reap``'s protocol) and count what the removal kept."""
         # ``reap`` itself would scan the whole root again and hold every entry of it; its
         # removal takes the regions this stream has just judged, each proven dead again.
-        removed, kept = reaping.remove_regions(
+        done = reaping.remove_regions(
             stream.dir_fd,
             [list(r) for r in regions],
             self.config.proc_root,
             self.config.assume_not_holding,
             self._should_stop,
         )
-        self._tell_removed(root, state, removed, tally)
-        for engine_id, entries in _by_engine(_still_there(stream.dir_fd, kept)).items():
+        self._tell_removed(root, state, done.removed, tally)
+        self._tell_failed(root, state, done.failed)
+        for engine_id, entries in _by_engine(_still_there(stream.dir_fd, done.kept)).items():
             if all(e.status is Status.ORPHANED for e in entries):
                 orphaned.add(_region_key(entries))  # kept as it was (stopped, say): next pass
             # The proof can find what the scan could not see (a file that cannot be opened now).
@@ -1104,23 +1226,21 @@ class Watcher:
     ) -> None:
         """Settle what dead reapers left parked, as ``reap`` does before it removes anything."""
         dead = tuple(e for e in parked if e.parked is not None and not e.parked.reaper_running)
-        empty = [p.name for p in parks if p.running is False and p.files == 0 and p.problem is None]
-        removed: list[ScanEntry] = []
-        kept: list[ScanEntry] = []
-        restored: list[ScanEntry] = []
-        reaping.settle_parked(
-            stream.dir_fd,
-            dead,
-            empty=empty,
-            remove_engines=lambda engine_id: True,
-            remove_others=self._remover is None,
-            use_lease=stream.lease_enabled,
-            removed=removed,
-            kept=kept,
-            restored=restored,
-        )
-        conflicts = [e for e in kept if e.status is Status.PARKED]
-        for action, settled in (("restored", restored), ("conflict", conflicts)):
+        done = reaping.Outcome()
+        with park.ParkDir(stream.dir_fd, proc_root=self.config.proc_root) as parking:
+            reaping.settle_parked(
+                stream.dir_fd,
+                dead,
+                parks=[p for p in parks if p.running is False],
+                parking=parking,
+                adopter=park.Adopter(os.geteuid(), self._remover is None),
+                remove_engines=lambda engine_id: True,
+                remove_others=self._remover is None,
+                use_lease=stream.lease_enabled,
+                outcome=done,
+            )
+        conflicts = [e for e in done.kept if e.status is Status.PARKED]
+        for action, settled in (("restored", done.restored), ("conflict", conflicts)):
             for engine_id, entries in _by_engine(settled).items():
                 self._emit(
                     ParkedSettled(
@@ -1134,14 +1254,32 @@ class Watcher:
                         reason=entries[0].reason,
                     )
                 )
-        tally.restored += len(restored)
+        for name in done.parks_removed:
+            self._emit(ParkRemoved(self._clock(), root, state.pod_uid, name=name))
+        tally.restored += len(done.restored)
         tally.conflicts += len(conflicts)
         tally.settled = True
-        self._tell_removed(root, state, removed, tally)
+        self._tell_removed(root, state, done.removed, tally)
+        self._tell_failed(root, state, done.failed)
         # Given back, a file is at its name again; a conflict waits parked; the rest as judged.
         left = [e for e in parked if e.parked is None or e.parked.reaper_running]
-        for entries in _by_engine([*restored, *conflicts, *left]).values():
+        for entries in _by_engine([*done.restored, *conflicts, *left]).values():
             tally.count(entries)
+
+    def _tell_failed(self, root: Path, state: _RootState, failed: Sequence[ScanEntry]) -> None:
+        """``kept_unknown`` is for evidence; a file the agent failed on is told as ``removal_failed``."""
+        for engine_id, entries in _by_engine(failed).items():
+            self._emit(
+                RemovalFailed(
+                    self._clock(),
+                    root,
+                    state.pod_uid,
+                    engine_id=engine_id,
+                    bytes=sum(e.resident_bytes for e in entries),
+                    files=len(entries),
+                    reason=entries[0].reason,
+                )
+            )
 
     def _tell_removed(self, root: Path, state: _RootState, removed: list[ScanEntry], tally: _Tally) -> None:
         for engine_id, entries in _by_engine(removed).items():
@@ -1299,6 +1437,24 @@ def _by_engine(entries: Iterable[ScanEntry]) -> dict[str, list[ScanEntry]]:
     for e in entries:
         groups.setdefault(e.engine_id, []).append(e)
     return groups
+
+
+def _parked_by(parked: Iterable[ScanEntry]) -> dict[tuple[str, int], list[ScanEntry]]:
+    """Parked files by (engine id, owner uid): a region is held back by the files of its own."""
+    found: dict[tuple[str, int], list[ScanEntry]] = {}
+    for e in parked:
+        found.setdefault((e.engine_id, e.uid), []).append(e)
+    return found
+
+
+def _waiting_for(
+    region: Sequence[ScanEntry], parked: Mapping[tuple[str, int], list[ScanEntry]]
+) -> list[ScanEntry]:
+    """The parked files that are ``region``'s own: its engine id, and an owner of its files."""
+    if not parked:
+        return []
+    engine_id = region[0].engine_id
+    return [p for uid in sorted({e.uid for e in region}) for p in parked.get((engine_id, uid), ())]
 
 
 def _region_key(entries: Sequence[ScanEntry]) -> bytes:

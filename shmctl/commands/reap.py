@@ -1,8 +1,10 @@
 """``shmctl reap``: remove orphaned region files, after proving each one dead again.
 
-Exit status: 0 done (also when some items were kept, and for --dry-run), 2 usage
-(including no terminal to confirm on and no --yes), 3 the root cannot be read, or is on
-neither a tmpfs nor a hugetlbfs without --any-filesystem, 130 Ctrl-C.
+Exit status: 0 done (also when some items were kept because they changed, and for
+--dry-run), 2 usage (including no terminal to confirm on and no --yes), 3 the root cannot be
+read, or is on neither a tmpfs nor a hugetlbfs without --any-filesystem, or a file proven
+orphaned could not be removed for a failure of the reaper's own (``failed``: a root out of
+inodes where others may rename, a file it could not open or unlink), 130 Ctrl-C.
 """
 
 from typing import Annotated
@@ -133,8 +135,9 @@ def reap(
     if yes and not dry_run:
         # Nothing to show and confirm first: one scan, and each orphan is proven dead again
         # as it goes. (A plan scan before it doubled the time of a 10,000-file reap.)
-        show(run())
-        raise typer.Exit(ExitStatus.OK)
+        done = run()
+        show(done)
+        raise typer.Exit(ExitStatus.RUNTIME if done.failed else ExitStatus.OK)
     plan = run(dry_run=True)
     if dry_run or not plan.removed:
         show(plan)
@@ -147,7 +150,7 @@ def reap(
     # Only what the plan listed (and was confirmed) can go; each item is proven dead again.
     done = run(only=plan)
     show(done)
-    raise typer.Exit(ExitStatus.OK)
+    raise typer.Exit(ExitStatus.RUNTIME if done.failed else ExitStatus.OK)
 
 
 def _filters_text(engine: list[str] | None, pid: list[int] | None, older_than: str | None) -> str:

@@ -19,13 +19,23 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvoffload.liveness.scan import Evidence, ScanEntry, ScanReport, ScanSummary, Status, uids_text
+from kvoffload.liveness.scan import (
+    Evidence,
+    ParkView,
+    ScanEntry,
+    ScanReport,
+    ScanSummary,
+    Status,
+    UntrustedPark,
+    uids_text,
+)
 from shmctl.render import (
     Cell,
     Column,
     amount_text,
     color_enabled,
     emit_json,
+    error_line,
     human_age,
     human_bytes,
     printable,
@@ -181,6 +191,7 @@ def scan_report(
     headers: bool = True,
 ) -> None:
     _warn_blind_spots(report)
+    untrusted_parks_line(report.untrusted_parks, report.parks)
     if json_output:
         emit_json(report)
         return
@@ -360,23 +371,28 @@ def reap_report(
     headers: bool = True,
 ) -> None:
     _note_visibility(report.visibility, report.lease_enabled, ())
+    untrusted_parks_line(report.untrusted_parks)
+    failed_line(report)
     for missing in report.unmatched_filters:
         warning_line(f"{missing} matches no region in {printable(str(report.root))}")
     kept_unknown_line(report)
     if json_output:
         emit_json(report)
         return
+    failed = {id(e) for e in report.failed}
     rows = _reap_rows("would-remove" if report.dry_run else "removed", report.removed, exact=exact_bytes)
     rows += _reap_rows("restored", report.restored, exact=exact_bytes)
     rows += _reap_rows("parked", report.parked, exact=exact_bytes)
-    rows += _reap_rows("kept", report.kept, exact=exact_bytes)
+    rows += _reap_rows("failed", report.failed, exact=exact_bytes, style="bold red")
+    rows += _reap_rows("kept", [e for e in report.kept if id(e) not in failed], exact=exact_bytes)
     rows += _reap_rows("left", report.other_users_left, exact=exact_bytes, style=STYLE[Status.ORPHANED])
     if rows:
         write_table(REAP_COLUMNS, rows, headers=headers)
     files = len(report.removed)
     freed = amount_text(report.freed_bytes, exact=exact_bytes)
     others = _other_users_note(report, exact=exact_bytes)
-    if not files and not report.kept and not report.restored and not report.parked:
+    quiet = not (report.kept or report.restored or report.parked or report.parks_removed)
+    if not files and quiet:
         if others:
             line = f"nothing to reap; {others}" + _filter_notes(report, filters_text, exact=exact_bytes)
         elif report.filtered_out:
@@ -390,15 +406,67 @@ def reap_report(
             line += f"; gave {len(report.restored)} parked file(s) back their names"
         if report.parked:
             line += f"; {len(report.parked)} file(s) left parked by a dead reap to settle"
-        kept = len(report.kept) - len(report.conflicts)
-        if kept:
-            line += f"; kept {kept} that changed since the plan"
+        if report.parks_removed:
+            line += f"; removed {len(report.parks_removed)} park director(ies) dead reapers left"
+        if report.failed:
+            line += f"; could not remove {len(report.failed)} (see the failed rows)"
+        from kvoffload.liveness.removal import STOPPED  # the reap's own words (scan never loads it)
+
+        stopped = sum(1 for e in report.kept if e.reason == STOPPED)
+        if stopped:
+            line += f"; {stopped} not begun: the reap was stopped"
+        changed = len(report.kept) - len(report.conflicts) - len(report.failed) - stopped
+        if changed:
+            line += f"; kept {changed} that changed since the plan"
         if report.conflicts:
             line += f"; {len(report.conflicts)} conflict(s): parked, name taken, nothing removed"
         if others:
             line += f"; {others}"
         line += _filter_notes(report, filters_text, exact=exact_bytes)
     _summary(line, headers=headers)
+
+
+def failed_line(report: ReapReport) -> None:
+    """One line on stderr when reap failed to remove what it proved orphaned: why, and the fix."""
+    if not report.failed:
+        return
+    first = report.failed[0]
+    error_line(
+        f"could not remove {len(report.failed)} orphaned file(s) in {printable(str(report.root))}: "
+        f"{printable(first.name)}: {printable(first.reason.removeprefix('kept: '))} "
+        f"(fix: {_failure_fix(first.reason, str(report.root))})"
+    )
+
+
+def _failure_fix(reason: str, root: str) -> str:
+    if "ENOSPC" in reason or "EDQUOT" in reason:
+        return (
+            f"free one inode in {printable(root)} (remove a file you know is unused, or remount it with "
+            "more nr_inodes), then run reap again"
+        )
+    if "EMFILE" in reason or "ENFILE" in reason:
+        return "raise ulimit -n, then run reap again"
+    if "EACCES" in reason or "EPERM" in reason or "EROFS" in reason:
+        return "run as root or as the files' owner, on a writable mount"
+    return "run reap again once the cause is gone"
+
+
+def untrusted_parks_line(untrusted: Sequence[UntrustedPark], parks: Sequence[ParkView] = ()) -> None:
+    """Say what is named like a reaper's park directory and was left alone, and why."""
+    if untrusted:
+        first = untrusted[0]
+        more = f" and {len(untrusted) - 1} more (--json lists them)" if len(untrusted) > 1 else ""
+        warning_line(
+            f"{len(untrusted)} entr(ies) named like a reaper's park directory are not one and were left "
+            f"untouched: {printable(first.name)} ({first.kind}, uid {first.uid}, mode {first.mode}: "
+            f"{printable(first.reason)}){more}"
+        )
+    for p in parks:
+        if p.strangers:
+            warning_line(
+                f"park directory {printable(p.name)} holds {p.strangers} entr(ies) no reaper of ours parks: "
+                "they, and the directory, are left untouched"
+            )
 
 
 def reap_preview(report: ReapReport, *, shown: int = 20, exact_bytes: bool = False) -> None:
