@@ -191,6 +191,23 @@ def test_the_agent_bench_times_a_checked_pass_profiles_it_and_leaves_nothing(
     assert agent_processes() == []
 
 
+@pytest.mark.slow
+def test_the_joiner_bench_races_both_protocols_and_leaves_nothing(tmp_path: Path, tag: str) -> None:
+    done, doc = harness(tmp_path, tag, ["--only", "joiner", "--args", "joiner=--races 20"])
+
+    assert done.returncode == 0, done.stderr
+    assert [(s["script"], s["status"]) for s in doc["scripts"]] == [("bench_joiner.py", "ok")]
+    figures = [r["figure"] for r in doc["rows"]]
+    protocols = ["park"] + (["in place"] if os.geteuid() == 0 else [])
+    for protocol in protocols:
+        assert any(f.startswith("joiner ENOENT per 1,000 races") and f"{protocol} (" in f for f in figures)
+        assert any(
+            f.startswith("joiner left holding a removed file") and f"{protocol} (" in f for f in figures
+        )
+    assert tagged(tag) == []
+    assert mounted_with(tag) == []
+
+
 def test_a_failing_script_is_a_failed_line_and_the_others_still_run(tmp_path: Path, tag: str) -> None:
     fails = script(tmp_path, "bench_fails.py", FAKE_FAILS)
     rows = script(tmp_path, "bench_rows.py", FAKE_ROWS)
