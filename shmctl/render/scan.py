@@ -457,9 +457,9 @@ def untrusted_parks_line(untrusted: Sequence[UntrustedPark], parks: Sequence[Par
         first = untrusted[0]
         more = f" and {len(untrusted) - 1} more (--json lists them)" if len(untrusted) > 1 else ""
         warning_line(
-            f"{len(untrusted)} entr(ies) named like a reaper's park directory are not one and were left "
-            f"untouched: {printable(first.name)} ({first.kind}, uid {first.uid}, mode {first.mode}: "
-            f"{printable(first.reason)}){more}"
+            f"{len(untrusted)} entr(ies) named like a reaper's park directory that this run may not "
+            f"trust were left untouched: {printable(first.name)} ({first.kind}, uid {first.uid}, "
+            f"mode {first.mode}: {printable(first.reason)}){more}"
         )
     for p in parks:
         if p.strangers:
