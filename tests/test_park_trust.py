@@ -393,11 +393,14 @@ def test_a_swap_in_an_adopted_users_park_never_makes_root_unlink_an_unproven_fil
             "--json",
             "--all-users",
         )
-        reaper.wait_in_syscall()
-        (ours,) = (n for n in parks(root) if (root / n).stat().st_uid == 0)
-        target = folder if window == "renameat2" else root / ours
-        swapped = user_rename(victim, target / mine.name)
-        code, out, err = reaper.finish()
+        try:
+            reaper.wait_in_syscall()
+            # Root's park is made before either call (the park directory comes first).
+            (ours,) = (n for n in parks(root) if (root / n).stat().st_uid == 0)
+            target = folder if window == "renameat2" else root / ours
+            swapped = user_rename(victim, target / mine.name)
+        finally:
+            code, out, err = reaper.finish()
         assert code == 0, err
         report = json.loads(out)
         validate(report, "reap")
@@ -594,6 +597,16 @@ def test_an_empty_unmarked_park_of_another_user_is_never_removed_even_with_all_u
     assert folder.exists()
 
 
+def _park_made(root: Path, timeout: float = 30) -> str:
+    """The name of the first park directory to appear in ``root``."""
+    deadline = time.monotonic() + timeout
+    while not parks(root):
+        assert time.monotonic() < deadline, "no park directory was made"
+        time.sleep(0.002)
+    (made,) = parks(root)
+    return made
+
+
 @needs_strace
 def test_a_directory_swapped_in_while_the_reaper_makes_its_park_is_never_used(
     root: Path, engine_id: str
@@ -607,13 +620,15 @@ def test_a_directory_swapped_in_while_the_reaper_makes_its_park_is_never_used(
     time.sleep(0.2)  # born well before the reaper's mkdir
     orphan = dead(region_path(root, engine_id))
     reaper = Traced(
-        "mkdirat", 1, "delay_exit=1500000", "reap", "--root", str(root), "--grace", "0s", "--yes", "--json"
+        "mkdirat", 1, "delay_exit=3000000", "reap", "--root", str(root), "--grace", "0s", "--yes", "--json"
     )
-    reaper.wait_in_syscall()
-    (made,) = parks(root)
-    assert user_rename(root / made, root / "moved-away") == "ok"
-    assert user_rename(older, root / made) == "ok"
-    code, out, err = reaper.finish()
+    try:
+        reaper.wait_in_syscall()
+        made = _park_made(root)  # the stop may be at the call's entry: wait for the directory itself
+        swapped = (user_rename(root / made, root / "moved-away"), user_rename(older, root / made))
+    finally:
+        code, out, err = reaper.finish()
+    assert swapped == ("ok", "ok")
     assert code == 0, err
     # Refused, the directory at that name stays as it was: not marked, used or removed. The
     # reaper made a park directory of its own again, under a new name, and removed it after.
