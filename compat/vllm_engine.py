@@ -763,7 +763,7 @@ def _init_schema_error(report: Any) -> str | None:
     """The init schema's complaint about ``report``, or None (jsonschema is optional here)."""
     try:
         sys.path.insert(0, str(REPO))
-        from tests.schemas import validate
+        from tests.support.schemas import validate
     except ImportError:
         return None
     try:

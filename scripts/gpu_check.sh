@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 nvidia-smi -L
 python3 -c "import sys, torch, typer; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'typer', typer.__version__)"
-python3 -m pytest -q -p no:cacheprovider -p no:randomly tests/test_worker.py tests/test_cleanup_contract.py tests/test_engine.py \
+python3 -m pytest -q -p no:cacheprovider -p no:randomly tests/cpu/test_worker.py tests/bringup/test_cleanup_contract.py tests/bringup/test_engine.py \
     2>&1 | tee "$OUT/pytest.log" | tail -n 15
 C='{"kv_connector":"OffloadingConnector","kv_connector_extra_config":{"spec_name":"TieringOffloadingSpec","cpu_bytes_to_use":4294967296,"secondary_tiers":[{"type":"example"}]}}'
 python3 -m shmctl init --kv-transfer-config "$C" --model llama-3-8b --world-size 2 --json >"$OUT/init.json"

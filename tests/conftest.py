@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from tests.procs import TEST_TAG
+from tests.support.procs import TEST_TAG
 
 # pytest 9.2's node id; older pytests (vLLM's venv of `make vllm-hosted`) have none.
 NodeId: Any = None
@@ -240,7 +240,7 @@ def engine_id() -> str:
 @pytest.fixture
 def root() -> Iterator[Path]:
     """A private directory on the real /dev/shm tmpfs, removed with everything in it."""
-    from tests.procs import shm_dir
+    from tests.support.procs import shm_dir
 
     with shm_dir() as path:
         yield path
@@ -249,7 +249,7 @@ def root() -> Iterator[Path]:
 @pytest.fixture
 def victim() -> Iterator[Path]:
     """A file outside the root that a hostile region name points at; it must survive."""
-    from tests.procs import shm_dir, write_file
+    from tests.support.procs import shm_dir, write_file
 
     with shm_dir() as elsewhere:
         yield write_file(elsewhere / "victim")

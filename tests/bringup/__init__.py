@@ -1,0 +1,1 @@
+"""init's rehearsal: plans, fault points, the cleanup contract, the matrix, a vLLM engine."""

@@ -1,0 +1,1 @@
+"""The shmctl CLI: conventions, errors, help, completions, rendering, each command's output."""

@@ -1,0 +1,1 @@
+"""kvoffload.cpu: the region, its pre-fault, the managers and policies, the worker."""

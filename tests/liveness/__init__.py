@@ -1,0 +1,1 @@
+"""kvoffload.liveness: evidence, verdicts, scan, park directories, reap, audit."""

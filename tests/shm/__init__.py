@@ -1,0 +1,1 @@
+"""kvoffload.shm: names, mounts, owner records."""

@@ -1,0 +1,1 @@
+"""Helpers the tests share: real processes, hostile users, mounts, schemas, strace windows."""

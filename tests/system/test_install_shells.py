@@ -1,0 +1,308 @@
+"""Real shells find the completions where pip installs them, and complete with them.
+
+The wheel puts ``PREFIX/share/bash-completion/completions/shmctl`` where bash-completion loads it
+on the first Tab, and ``PREFIX/share/zsh/site-functions/_shmctl`` where zsh's compinit registers
+it. What an operator adds for each kind of install is what docs/install.md says, and each test
+does exactly that and no more:
+
+- a venv, or pipx (a venv, and a symlink to its ``bin/shmctl`` on ``PATH``): bash-completion
+  before 2.12 looks only in ``$XDG_DATA_DIRS``, so ``VENV/share`` goes there; 2.12 and later
+  also look beside the command found on ``PATH`` (through the symlink). zsh: ``VENV/share/
+  zsh/site-functions`` on ``$fpath`` before ``compinit``.
+- a system-wide install (``--prefix /usr/local``, a root pip on Debian or the python image):
+  nothing; both shells look there by default. The install is laid over ``/usr/local`` in a
+  mount namespace of the test's own (needs root), so the host's ``/usr/local`` is untouched.
+
+The wheel is installed with no index: into a venv created without pip (the pip running these
+tests installs into it), whose dependencies come from this interpreter's site-packages through a
+``.pth`` file, so the tests need no network. Every shell runs with an empty ``HOME`` and a
+minimal environment, so nothing of the host's shell configuration takes part.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+
+from shmctl.app import app
+from tests.system.test_packaging import build_wheel
+
+BASH_COMPLETION = Path("/usr/share/bash-completion/bash_completion")
+USR_LOCAL = Path("/usr/local")
+
+#: Sources bash-completion, has it load shmctl's completion as the first Tab would (2.12 renamed
+#: __load_completion to _comp_load), then calls the function loaded as bash would for
+#: ``shmctl <Tab>``.
+BASH_TAB = r"""
+. "$1" || exit 90
+printf 'VERSION %s.%s\n' "${BASH_COMPLETION_VERSINFO[0]}" "${BASH_COMPLETION_VERSINFO[1]}"
+if declare -F _comp_load >/dev/null; then _comp_load shmctl; else __load_completion shmctl; fi
+spec=$(complete -p shmctl 2>/dev/null) || exit 0
+printf 'SPEC %s\n' "$spec"
+function=${spec##*-F }; function=${function%% *}
+COMP_WORDS=(shmctl ""); COMP_CWORD=1; COMP_LINE="shmctl "; COMP_POINT=${#COMP_LINE}
+"$function" shmctl "" shmctl
+printf 'REPLY %s\n' "${COMPREPLY[@]}"
+"""
+
+#: compinit with the directories given first on $fpath, then the function registered for shmctl
+#: called once, as the first Tab of ``shmctl <Tab>`` calls it; _arguments and _files, which only
+#: work inside a Tab, are stand-ins that print what the function would offer.
+ZSH_TAB = r"""
+fpath=("$@" $fpath)
+autoload -Uz compinit && compinit -D
+print -r -- "COMPS ${_comps[shmctl]-}"
+[[ -n ${_comps[shmctl]-} ]] || exit 0
+_arguments() { print -r -- "ARGUMENTS $*" }
+_files() { print -r -- "FILES" }
+words=(shmctl "") CURRENT=2
+$_comps[shmctl]
+"""
+
+
+@dataclass(frozen=True)
+class Tab:
+    """What a shell did with ``shmctl <Tab>``."""
+
+    loaded: str  # the compspec (bash) or function (zsh) registered for shmctl; "" when none
+    offered: list[str]  # the words it would complete
+    version: tuple[int, int] | None = None  # bash-completion's
+
+
+def commands() -> list[str]:
+    root: Any = typer.main.get_command(app)
+    return list(root.commands)
+
+
+def needs(program: str) -> None:
+    if program == "bash-completion" and not BASH_COMPLETION.is_file():
+        pytest.skip(
+            f"bash-completion is not installed ({BASH_COMPLETION}; Debian: apt-get install bash-completion)"
+        )
+    if program != "bash-completion" and shutil.which(program) is None:
+        pytest.skip(f"{program} is not installed")
+
+
+def clean_env(home: Path, path: list[Path], **extra: str) -> dict[str, str]:
+    """A login's bare environment: this HOME, this PATH before the system's, nothing inherited."""
+    return {
+        "HOME": str(home),
+        "PATH": os.pathsep.join([*map(str, path), "/usr/bin", "/bin"]),
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+        **extra,
+    }
+
+
+def run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def bash_tab(env: dict[str, str], prefix: list[str] | None = None) -> Tab:
+    done = run(
+        [*(prefix or []), "bash", "--norc", "--noprofile", "-c", BASH_TAB, "bash", str(BASH_COMPLETION)], env
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    fields = [line.partition(" ")[::2] for line in done.stdout.splitlines()]
+    major, minor = next(value for key, value in fields if key == "VERSION").split(".")
+    return Tab(
+        loaded=next((value for key, value in fields if key == "SPEC"), ""),
+        offered=[value for key, value in fields if key == "REPLY" and value],
+        version=(int(major), int(minor)),
+    )
+
+
+def zsh_tab(env: dict[str, str], fpath: list[Path], prefix: list[str] | None = None) -> Tab:
+    done = run([*(prefix or []), "zsh", "-f", "-c", ZSH_TAB, "zsh", *map(str, fpath)], env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    loaded = next(
+        line.removeprefix("COMPS ") for line in done.stdout.splitlines() if line.startswith("COMPS ")
+    )
+    # typer's answer, one line once eval has split it: _arguments *: :(("scan":"help..." "reap":...))
+    offered = re.findall(r'(?:\(\(| )"([a-z][a-z0-9-]*)":"', done.stdout)
+    return Tab(loaded=loaded.strip(), offered=offered)
+
+
+# ------------------------------------------------------------------------------ installs
+
+
+@dataclass(frozen=True)
+class Install:
+    venv: Path  # where pip put shmctl: PIPX_HOME/venvs/shmctl, pipx's layout
+    pipx_bin: Path  # PIPX_BIN_DIR: a symlink to venv/bin/shmctl, as pipx makes it
+
+    def path(self, kind: str) -> Path:
+        """The directory on PATH that holds the shmctl a user of this kind of install runs."""
+        return self.venv / "bin" if kind == "venv" else self.pipx_bin
+
+
+def pip_install(python: Path, wheel: Path, *options: str) -> None:
+    pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index"]
+    done = subprocess.run(
+        [*pip, *options, str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_wheel(tmp_path_factory.mktemp("wheel"))[0]
+
+
+@pytest.fixture(scope="module")
+def install(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Install:
+    pipx = tmp_path_factory.mktemp("pipx")
+    prefix, pipx_bin = pipx / "venvs" / "shmctl", pipx / "bin"
+    venv.create(prefix, with_pip=False, symlinks=True)
+    pip_install(prefix / "bin" / "python", wheel)
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)}))
+    # typer, rich and prometheus-client from the interpreter running the tests; shmctl itself
+    # from the venv, whose site-packages comes first.
+    deps = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    (site / "test-dependencies.pth").write_text("".join(f"{d}\n" for d in sorted(deps)))
+    pipx_bin.mkdir()
+    (pipx_bin / "shmctl").symlink_to(prefix / "bin" / "shmctl")
+    return Install(venv=prefix, pipx_bin=pipx_bin)
+
+
+@pytest.fixture(scope="module")
+def usr_local(install: Install, wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What ``pip install --prefix /usr/local`` writes, under a root of its own (``--root``)."""
+    root = tmp_path_factory.mktemp("system")
+    pip_install(
+        install.venv / "bin" / "python",
+        wheel,
+        "--ignore-installed",
+        "--root",
+        str(root),
+        "--prefix",
+        str(USR_LOCAL),
+    )
+    return root
+
+
+def in_usr_local(root: Path) -> list[str]:
+    """A command prefix: run in a mount namespace where ``root``'s /usr/local lies over the host's."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or not USR_LOCAL.is_dir():
+        pytest.skip("needs root, unshare(1) and a /usr/local to lay the install over")
+    # A read-only overlay (two lower layers, no upper): the host's /usr/local shows through.
+    lay = 'mount -t overlay overlay -o "lowerdir=$1$2:$2" "$2" || exit 97; shift 2; exec "$@"'
+    prefix = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        lay,
+        "sh",
+        str(root),
+        str(USR_LOCAL),
+    ]
+    probe = run([*prefix, "true"], {})
+    if probe.returncode == 97:
+        pytest.skip(f"cannot lay an overlay over /usr/local here: {probe.stderr.strip()}")
+    assert probe.returncode == 0, probe.stderr
+    return prefix
+
+
+# ---------------------------------------------------------------------------------- bash
+
+
+@pytest.mark.parametrize("kind", ["venv", "pipx"])
+def test_bash_completion_loads_a_venv_install_whose_share_is_on_xdg_data_dirs(
+    install: Install, tmp_path: Path, kind: str
+) -> None:
+    needs("bash-completion")
+    data_dirs = f"{install.venv / 'share'}:/usr/local/share:/usr/share"
+    tab = bash_tab(clean_env(tmp_path, [install.path(kind)], XDG_DATA_DIRS=data_dirs))
+    assert tab.loaded == "complete -o default -F _shmctl_completion shmctl"
+    assert tab.offered == commands()
+
+
+@pytest.mark.parametrize("kind", ["venv", "pipx"])
+def test_without_xdg_data_dirs_bash_completion_finds_a_venv_install_from_2_12_on(
+    install: Install, tmp_path: Path, kind: str
+) -> None:
+    # 2.12 added the lookup beside the command on PATH, symlinks resolved (scop/bash-completion#696).
+    needs("bash-completion")
+    tab = bash_tab(clean_env(tmp_path, [install.path(kind)]))
+    assert tab.version is not None
+    if tab.version >= (2, 12):
+        assert tab.offered == commands()
+    else:
+        assert (tab.loaded, tab.offered) == ("", [])
+
+
+def test_bash_completion_loads_a_system_install_with_nothing_added(usr_local: Path, tmp_path: Path) -> None:
+    needs("bash-completion")
+    prefix = in_usr_local(usr_local)
+    tab = bash_tab(clean_env(tmp_path, [USR_LOCAL / "bin"]), prefix)
+    assert tab.loaded == "complete -o default -F _shmctl_completion shmctl"
+    assert tab.offered == commands()
+
+
+def test_install_completion_bash_writes_where_an_interactive_bash_reads(
+    install: Install, tmp_path: Path
+) -> None:
+    needs("bash")
+    env = clean_env(tmp_path, [install.venv / "bin"])
+    # Run from the shell it is for: typer asks the process tree which shell that is.
+    done = run(["bash", "--norc", "--noprofile", "-c", "shmctl --install-completion; :"], env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    shell = run(["bash", "-i", "-c", "complete -p shmctl"], env)
+    assert shell.stdout.strip() == "complete -o default -F _shmctl_completion shmctl", shell.stderr
+
+
+# ----------------------------------------------------------------------------------- zsh
+
+
+def test_zsh_registers_the_venvs_function_file_and_its_first_call_completes(
+    install: Install, tmp_path: Path
+) -> None:
+    needs("zsh")
+    fpath = [install.venv / "share" / "zsh" / "site-functions"]
+    tab = zsh_tab(clean_env(tmp_path, [install.venv / "bin"]), fpath)
+    assert tab.loaded == "_shmctl"
+    assert tab.offered == commands()
+
+
+def test_zsh_finds_a_system_install_with_nothing_added(usr_local: Path, tmp_path: Path) -> None:
+    needs("zsh")
+    site_functions = USR_LOCAL / "share" / "zsh" / "site-functions"
+    default_fpath = run(["zsh", "-f", "-c", "print -rl -- $fpath"], clean_env(tmp_path, []))
+    if str(site_functions) not in default_fpath.stdout.splitlines():
+        pytest.skip(f"this zsh does not look in {site_functions} by default")
+    tab = zsh_tab(clean_env(tmp_path, [USR_LOCAL / "bin"]), [], in_usr_local(usr_local))
+    assert tab.loaded == "_shmctl"
+    assert tab.offered == commands()
+
+
+def test_install_completion_zsh_writes_where_an_interactive_zsh_reads(
+    install: Install, tmp_path: Path
+) -> None:
+    # typer writes its own script as ~/.zfunc/_shmctl; it binds on the first Tab and completes
+    # from the second (docs/install.md), which is why the wheel ships completions/_shmctl.
+    needs("zsh")
+    env = clean_env(tmp_path, [install.venv / "bin"])
+    done = run(["zsh", "-f", "-c", "shmctl --install-completion; :"], env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    shell = run(["zsh", "-i", "-c", 'print -r -- "COMPS ${_comps[shmctl]-}"'], env)
+    assert "COMPS _shmctl" in shell.stdout.splitlines(), shell.stdout + shell.stderr

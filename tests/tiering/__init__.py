@@ -1,0 +1,1 @@
+"""kvoffload.tiering: the tiering manager, its tiers, vLLM's hosted tiers."""

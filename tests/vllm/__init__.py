@@ -1,0 +1,1 @@
+"""Parity with vLLM 0.33: its behaviour, its tests' harness, the engine shims."""

@@ -1,0 +1,1 @@
+"""The node agent (shmctl watch): roots, passes, events, HTTP, memory, soak."""
