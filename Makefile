@@ -41,7 +41,7 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 	$(BIN)/mypy --strict scripts/gen_manpage.py scripts/gen_completions.py
-	$(BIN)/mypy --strict compat/vllm_compat.py compat/vllm_engine.py compat/adapter/kvoffload_vllm_adapter.py
+	$(BIN)/mypy --strict compat/vllm_compat compat/vllm_engine.py compat/adapter/kvoffload_vllm_adapter.py
 
 check: lint typecheck
 
@@ -69,11 +69,12 @@ bench-quick:
 	$(MAKE) bench QUICK=1
 
 # Every vLLM 0.33 test of kv_offload and of its offloading connector, run against vLLM and against
-# kvoffload (compat/vllm_compat.py): downloads the sdist through pip's index configuration and
-# builds a venv of its own under build/vllm-compat. Not part of `make test`: it needs the network,
-# and about 25 minutes on 2 busy vCPUs once its venv is built (each file has a time limit).
+# kvoffload (the package compat/vllm_compat/, run from here with -m): downloads the sdist through
+# pip's index configuration and builds a venv of its own under build/vllm-compat. Not part of
+# `make test`: it needs the network, and about 25 minutes on 2 busy vCPUs once its venv is built
+# (each file has a time limit).
 vllm-compat: venv
-	$(BIN)/python compat/vllm_compat.py --work build/vllm-compat
+	$(BIN)/python -m compat.vllm_compat --work build/vllm-compat
 	$(MAKE) vllm-hosted
 
 # kvoffload's own tests of vLLM's p2p and object tiers hosted on its tiering (fault points at

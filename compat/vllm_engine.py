@@ -61,7 +61,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_compat import ProcessGroups, SetupError, private_shm_argv, run_in_group
+# The harness's package (compat/vllm_compat/), found beside this script: its process groups
+# and private /dev/shm isolate each scenario as they isolate each vLLM test file.
+from vllm_compat.errors import SetupError
+from vllm_compat.isolation import ProcessGroups, private_shm_argv, run_in_group
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH = os.environ.get("TORCH", "torch==2.13.0")

@@ -11,6 +11,18 @@ Names come from whoever created a file (any user may create a region file), so n
 carries ``CONTROLS`` as themselves: text for people escapes them (and every other character
 ``str.isprintable`` rejects) visibly with ``printable``; JSON writes them as ``\\uXXXX``
 escapes (``json_text``), which ``json.loads`` turns back into the exact name.
+
+This package only formats; one module per command's output:
+
+* ``audit``: the audit's summary, JSON report and JUnit XML (and which goes to which option);
+* ``doctor``, ``faults``, ``init``, ``scan`` (scan and reap): tables and JSON of their reports;
+* ``metrics``: the Prometheus exposition (stdout, or the textfile);
+* ``watch``: the agent's events, one JSON line each;
+* ``fixes``: the fix for a file shmctl could not write, true to the errno.
+
+Serving is ``shmctl.serve``'s (the agent's HTTP), and writing a file whole or in place is
+``shmctl.output_files``'s. ``http`` is a re-export of ``shmctl.serve.server``, kept for one
+release (issue #29).
 """
 
 from __future__ import annotations

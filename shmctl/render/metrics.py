@@ -42,19 +42,19 @@ This module imports prometheus_client; only the metrics code paths import this m
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import CollectorRegistry, generate_latest, write_to_textfile
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import RootError
 from kvoffload.liveness.scan import ScanReport, Status
+from shmctl.output_files import write_atomically
 from shmctl.render import printable
 from shmctl.render.fixes import unwritable_fix
 
@@ -604,16 +604,13 @@ def print_text(data: bytes) -> None:
 def write_textfile(directory: Path, exposition: Exposition) -> None:
     """Write ``directory/shmctl.prom`` atomically: node_exporter never reads half a file.
 
-    ``write_to_textfile`` writes ``shmctl.prom.<pid>.<thread>`` beside the target (same
-    filesystem, so the rename is atomic; the name does not end in ``.prom``, so the collector
-    ignores it) and removes it if writing fails.
+    ``write_atomically`` writes the exposition to a temp file beside the target (same
+    filesystem, so the rename is atomic; its name does not end in ``.prom``, so the collector
+    ignores it), gives it mode 0644 (node_exporter usually runs as another user, whatever
+    this run's umask), renames it over the target, and removes it if writing fails.
     """
-    path = directory / FILENAME
     try:
-        write_to_textfile(str(path), exposition.registry)
-        # node_exporter usually runs as another user, and a root cron job's umask may be 077;
-        # the client has no mode argument, so the mode is set once the file is in place.
-        os.chmod(path, 0o644)
+        write_atomically(directory / FILENAME, exposition.text())
     except OSError as e:
         raise _unwritable(directory, e) from None
 

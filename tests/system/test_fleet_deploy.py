@@ -473,7 +473,7 @@ def test_a_real_watch_pass_exports_every_series_the_rules_read(tmp_path: Path) -
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvoffload.liveness.watch import WatchConfig, Watcher
-    from shmctl.render.watch import WatchMetrics
+    from shmctl.serve.state import WatchMetrics
 
     # One root it can scan and one it cannot: a failed root has series of its own.
     (tmp_path / "shm").mkdir()

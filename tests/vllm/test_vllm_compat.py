@@ -19,8 +19,27 @@ import pytest
 
 from tests.support.procs import REPO
 
-sys.path.insert(0, str(REPO / "compat"))  # compat/ is a folder of scripts, not a package
-import vllm_compat
+# The harness is a package in compat/ (beside compat/vllm_engine.py, which imports it so too).
+sys.path.insert(0, str(REPO / "compat"))
+from vllm_compat.comparison import FileRow, compare
+from vllm_compat.differences import Difference, load_differences
+from vllm_compat.environment import hf_hub_cache
+from vllm_compat.errors import SetupError
+from vllm_compat.isolation import GroupRun, Interrupted, ProcessGroups, private_shm_argv, run_in_group
+from vllm_compat.junit import parse_junit
+from vllm_compat.outcomes import Outcome, settle
+from vllm_compat.pins import pins_outside_vllms_ranges, requirement_lines
+from vllm_compat.runs import run_file
+from vllm_compat.scope import SDIST, TESTS, discover, scope_of
+from vllm_compat.sdist import (
+    Candidate,
+    IndexConfig,
+    download,
+    find_sdist,
+    parse_project_page,
+    pip_index_config,
+)
+from vllm_compat.tables import render_reasons, render_report, render_table
 
 ADAPTER = REPO / "compat" / "adapter"
 
@@ -142,24 +161,22 @@ def simple_index(root: Path, files: dict[str, bytes]) -> str:
 
 def test_the_sdist_is_found_on_a_pep503_index_and_checked(tmp_path: Path) -> None:
     body = b"not really a tarball"
-    index = simple_index(
-        tmp_path, {"vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl": b"w", vllm_compat.SDIST: body}
-    )
-    config = vllm_compat.IndexConfig(("file:///nonexistent/simple", index), (), None)
-    found = vllm_compat.find_sdist(config)
-    assert found.url.endswith("/vllm/" + vllm_compat.SDIST)
+    index = simple_index(tmp_path, {"vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl": b"w", SDIST: body})
+    config = IndexConfig(("file:///nonexistent/simple", index), (), None)
+    found = find_sdist(config)
+    assert found.url.endswith("/vllm/" + SDIST)
     assert found.sha256 == hashlib.sha256(body).hexdigest()
-    dest = vllm_compat.download(found, tmp_path / "out" / vllm_compat.SDIST, None)
+    dest = download(found, tmp_path / "out" / SDIST, None)
     assert dest.read_bytes() == body
 
 
 def test_a_download_whose_sha256_differs_is_refused_and_removed(tmp_path: Path) -> None:
-    index = simple_index(tmp_path, {vllm_compat.SDIST: b"good"})
-    found = vllm_compat.find_sdist(vllm_compat.IndexConfig((index,), (), None))
-    (tmp_path / "simple" / "vllm" / vllm_compat.SDIST).write_bytes(b"tampered")
-    dest = tmp_path / "out" / vllm_compat.SDIST
-    with pytest.raises(vllm_compat.SetupError, match="sha256"):
-        vllm_compat.download(found, dest, None)
+    index = simple_index(tmp_path, {SDIST: b"good"})
+    found = find_sdist(IndexConfig((index,), (), None))
+    (tmp_path / "simple" / "vllm" / SDIST).write_bytes(b"tampered")
+    dest = tmp_path / "out" / SDIST
+    with pytest.raises(SetupError, match="sha256"):
+        download(found, dest, None)
     assert list((tmp_path / "out").iterdir()) == []
 
 
@@ -168,34 +185,34 @@ def test_the_json_simple_api_gives_url_and_hash() -> None:
         "files": [
             {"filename": "vllm-0.32.0.tar.gz", "url": "../../x/vllm-0.32.0.tar.gz", "hashes": {}},
             {
-                "filename": vllm_compat.SDIST,
-                "url": "https://files.example/v/" + vllm_compat.SDIST,
+                "filename": SDIST,
+                "url": "https://files.example/v/" + SDIST,
                 "hashes": {"sha256": "ab" * 32},
             },
         ]
     }
-    found = vllm_compat.parse_project_page(
+    found = parse_project_page(
         json.dumps(page).encode(),
         "application/vnd.pypi.simple.v1+json",
         "https://idx.example/simple/vllm/",
-        vllm_compat.SDIST,
+        SDIST,
     )
-    assert found == vllm_compat.Candidate("https://files.example/v/" + vllm_compat.SDIST, "ab" * 32)
+    assert found == Candidate("https://files.example/v/" + SDIST, "ab" * 32)
 
 
 def test_no_index_listing_the_sdist_is_one_error_naming_each_place_tried(tmp_path: Path) -> None:
     index = simple_index(tmp_path, {"vllm-0.32.0.tar.gz": b"old"})
     with pytest.raises(
-        vllm_compat.SetupError,
+        SetupError,
         match=r"none of pip's indexes: .*vllm/ \(no vllm-0.33.0.tar.gz\).*PIP_INDEX_URL",
     ):
-        vllm_compat.find_sdist(vllm_compat.IndexConfig((index,), (), None))
+        find_sdist(IndexConfig((index,), (), None))
 
 
 def test_the_indexes_are_pips_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.invalid/simple")
     monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///srv/extra/simple")
-    config = vllm_compat.pip_index_config()
+    config = pip_index_config()
     assert config.index_urls[:2] == ("https://mirror.invalid/simple", "file:///srv/extra/simple")
 
 
@@ -233,25 +250,25 @@ def test_every_test_file_under_each_scope_is_collected_and_nothing_else(tmp_path
             "tests/v1/kv_connector/unit/test_nixl_connector.py": "",
         },
     )
-    assert vllm_compat.discover(sdist) == [
+    assert discover(sdist) == [
         "kv_offload/test_a.py",
         "kv_offload/tiering/p2p/c_test.py",
         "kv_offload/tiering/p2p/test_b.py",
         "kv_connector/unit/offloading_connector/test_scheduler.py",
         "kv_connector/unit/test_offloading_connector.py",
     ]
-    assert vllm_compat.scope_of("kv_offload/tiering/p2p/test_b.py") == "tests/v1/kv_offload"
-    assert vllm_compat.scope_of("kv_connector/unit/test_offloading_connector.py") == (
+    assert scope_of("kv_offload/tiering/p2p/test_b.py") == "tests/v1/kv_offload"
+    assert scope_of("kv_connector/unit/test_offloading_connector.py") == (
         "tests/v1/kv_connector/unit/test_offloading_connector.py"
     )
-    with pytest.raises(vllm_compat.SetupError, match="in none of the harness's scopes"):
-        vllm_compat.scope_of("kv_connector/unit/test_nixl_connector.py")
+    with pytest.raises(SetupError, match="in none of the harness's scopes"):
+        scope_of("kv_connector/unit/test_nixl_connector.py")
 
 
 def test_a_scope_missing_from_the_sdist_is_a_setup_error(tmp_path: Path) -> None:
     sdist = sdist_tree(tmp_path, {"tests/v1/kv_offload/test_a.py": ""})
-    with pytest.raises(vllm_compat.SetupError, match="offloading_connector is not in"):
-        vllm_compat.discover(sdist)
+    with pytest.raises(SetupError, match="offloading_connector is not in"):
+        discover(sdist)
 
 
 VLLM_REQUIREMENTS = {
@@ -271,13 +288,13 @@ VLLM_REQUIREMENTS = {
 def test_pins_inside_vllms_declared_ranges_pass(tmp_path: Path) -> None:
     sdist = sdist_tree(tmp_path, VLLM_REQUIREMENTS)
     pins = ["numpy==2.4.6", "transformers==5.20.2", "fastapi==0.136.3", "pytest==9.1.0"]
-    assert vllm_compat.pins_outside_vllms_ranges(pins, sdist) == []
+    assert pins_outside_vllms_ranges(pins, sdist) == []
 
 
 def test_a_pin_outside_vllms_range_or_not_its_requirement_is_named_with_the_range(tmp_path: Path) -> None:
     sdist = sdist_tree(tmp_path, VLLM_REQUIREMENTS)
     pins = ["transformers==5.24.0", "fastapi==0.165.0", "pytest==9.2.0", "openai-harmony==0.0.8"]
-    assert vllm_compat.pins_outside_vllms_ranges(pins, sdist) == [
+    assert pins_outside_vllms_ranges(pins, sdist) == [
         "transformers==5.24.0: outside vLLM's transformers<5.21.0,>=5.16.1 (requirements/common.txt)",
         "fastapi==0.165.0: outside vLLM's fastapi<0.137.0,>=0.133.0 (requirements/common.txt)",
         "pytest==9.2.0: outside vLLM's pytest==9.1.0 (requirements/test/cpu.txt)",
@@ -287,19 +304,19 @@ def test_a_pin_outside_vllms_range_or_not_its_requirement_is_named_with_the_rang
 
 def test_an_entry_whose_marker_is_false_here_is_not_a_requirement(tmp_path: Path) -> None:
     sdist = sdist_tree(tmp_path, VLLM_REQUIREMENTS)
-    assert vllm_compat.pins_outside_vllms_ranges(["llguidance==1.9.1"], sdist) == [
+    assert pins_outside_vllms_ranges(["llguidance==1.9.1"], sdist) == [
         "llguidance==1.9.1: llguidance is not among vLLM 0.33.0's requirements"
     ]
 
 
 def test_every_pin_is_one_version() -> None:
-    lines = vllm_compat.requirement_lines(REPO / "compat" / "requirements.txt")
+    lines = requirement_lines(REPO / "compat" / "requirements.txt")
     assert lines
     assert all(line.count("==") == 1 for line in lines)
 
 
 def test_the_shipped_model_configs_are_laid_out_as_a_hub_cache(tmp_path: Path) -> None:
-    cache = vllm_compat.hf_hub_cache(tmp_path / "hub")
+    cache = hf_hub_cache(tmp_path / "hub")
     repo = cache / "models--facebook--opt-125m"
     snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text()
     shipped = REPO / "compat" / "hf" / "facebook" / "opt-125m" / "config.json"
@@ -321,13 +338,11 @@ JUNIT = b"""<?xml version="1.0" encoding="utf-8"?>
 
 
 def test_junit_cases_become_pytest_node_ids_with_their_first_message_line() -> None:
-    outcomes = vllm_compat.parse_junit(JUNIT, "kv_offload/cpu/test_manager.py")
+    outcomes = parse_junit(JUNIT, "kv_offload/cpu/test_manager.py")
     assert outcomes == [
-        vllm_compat.Outcome("kv_offload/cpu/test_manager.py::test_plain", "passed"),
-        vllm_compat.Outcome(
-            "kv_offload/cpu/test_manager.py::test_param[lru]", "failed", "AssertionError: assert 1 == 2"
-        ),
-        vllm_compat.Outcome("kv_offload/cpu/test_manager.py::TestArc::test_ghost", "skipped", "needs CUDA"),
+        Outcome("kv_offload/cpu/test_manager.py::test_plain", "passed"),
+        Outcome("kv_offload/cpu/test_manager.py::test_param[lru]", "failed", "AssertionError: assert 1 == 2"),
+        Outcome("kv_offload/cpu/test_manager.py::TestArc::test_ghost", "skipped", "needs CUDA"),
     ]
 
 
@@ -339,8 +354,8 @@ tests/v1/kv_offload/test_x.py:3: in &lt;module&gt;
     import triton
 E   ModuleNotFoundError: No module named 'triton'</error>
     </testcase></testsuite></testsuites>"""
-    assert vllm_compat.parse_junit(body, "kv_offload/test_x.py") == [
-        vllm_compat.Outcome(
+    assert parse_junit(body, "kv_offload/test_x.py") == [
+        Outcome(
             "kv_offload/test_x.py::<collection>", "error", "ModuleNotFoundError: No module named 'triton'"
         )
     ]
@@ -351,15 +366,15 @@ def test_a_module_skipped_whole_is_one_skipped_collection_with_its_reason() -> N
     <skipped message="collection skipped">('/s/tests/v1/kv_offload/test_k.py', 14,
     "Skipped: could not import 'kvcr': No module named 'kvcr'")</skipped>
     </testcase></testsuite></testsuites>"""
-    assert vllm_compat.parse_junit(body, "kv_offload/test_k.py") == [
-        vllm_compat.Outcome(
+    assert parse_junit(body, "kv_offload/test_k.py") == [
+        Outcome(
             "kv_offload/test_k.py::<collection>", "skipped", "could not import 'kvcr': No module named 'kvcr'"
         )
     ]
 
 
-def outcome(test: str, result: str, message: str = "") -> vllm_compat.Outcome:
-    return vllm_compat.Outcome(f"f.py::{test}", result, message)
+def outcome(test: str, result: str, message: str = "") -> Outcome:
+    return Outcome(f"f.py::{test}", result, message)
 
 
 def test_compare_counts_deliberate_unexpected_and_stale() -> None:
@@ -371,8 +386,8 @@ def test_compare_counts_deliberate_unexpected_and_stale() -> None:
         outcome("c", "failed"),
         outcome("d", "passed"),
     ]
-    differences = [vllm_compat.Difference(("f.py::b", "f.py::d"), "what", "why")]
-    row = vllm_compat.compare("f.py", vllm, kvo, differences)
+    differences = [Difference(("f.py::b", "f.py::d"), "what", "why")]
+    row = compare("f.py", vllm, kvo, differences)
     assert (row.tests, row.not_on_vllm, row.passed_vllm, row.passed_kvoffload, row.deliberate) == (
         6,
         1,
@@ -387,7 +402,7 @@ def test_compare_counts_deliberate_unexpected_and_stale() -> None:
 def test_a_pass_during_which_no_kvoffload_code_ran_is_vllm_only_not_kvoffloads() -> None:
     vllm = [outcome("runs_kvoffload", "passed"), outcome("parses_vllms_config", "passed")]
     kvo = [outcome("runs_kvoffload", "passed"), outcome("parses_vllms_config", "passed")]
-    row = vllm_compat.compare("f.py", vllm, kvo, [], frozenset({"f.py::runs_kvoffload"}))
+    row = compare("f.py", vllm, kvo, [], frozenset({"f.py::runs_kvoffload"}))
     assert (row.passed_kvoffload, row.vllm_only) == (1, ("f.py::parses_vllms_config",))
 
 
@@ -398,28 +413,28 @@ def test_a_test_that_passed_only_when_rerun_is_flaky_never_a_plain_pass() -> Non
         outcome("broken", "failed"),
     ]
     rerun = [outcome("wobbly", "passed"), outcome("broken", "failed", "still broken")]
-    settled = vllm_compat.settle(first, rerun)
+    settled = settle(first, rerun)
     assert settled == [
         outcome("steady", "passed"),
         outcome("wobbly", "flaky", "Empty: queue"),
         outcome("broken", "failed", "still broken"),
     ]
     vllm = [outcome("steady", "flaky"), outcome("wobbly", "passed"), outcome("broken", "passed")]
-    row = vllm_compat.compare("f.py", vllm, settled, [])
+    row = compare("f.py", vllm, settled, [])
     assert row.flaky == (("f.py::steady", "vLLM"), ("f.py::wobbly", "kvoffload"))
     assert (row.passed_vllm, row.passed_kvoffload, [o.test for o in row.unexpected]) == (
         2,
         0,
         ["f.py::broken"],
     )
-    table = vllm_compat.render_report([row])
+    table = render_report([row])
     assert "* `f.py::wobbly` (rerun needed on kvoffload)" in table
 
 
 def test_a_file_that_does_not_import_on_kvoffload_fails_each_test_with_the_import_error() -> None:
     vllm = [outcome("a", "passed"), outcome("b", "passed")]
-    kvo = [vllm_compat.Outcome("f.py::<collection>", "error", "ImportError: no X")]
-    row = vllm_compat.compare("f.py", vllm, kvo, [])
+    kvo = [Outcome("f.py::<collection>", "error", "ImportError: no X")]
+    row = compare("f.py", vllm, kvo, [])
     assert [(o.test, o.outcome, o.message) for o in row.unexpected] == [
         ("f.py::a", "missing", "ImportError: no X"),
         ("f.py::b", "missing", "ImportError: no X"),
@@ -433,31 +448,31 @@ def test_tests_that_skip_or_fail_on_vllm_are_counted_apart_with_their_reasons() 
         outcome("cuda[2]", "skipped", "requires CUDA"),
         outcome("hub", "failed", "ValidationError: no config"),
     ]
-    row = vllm_compat.compare("f.py", vllm, [outcome("a", "passed")], [])
+    row = compare("f.py", vllm, [outcome("a", "passed")], [])
     assert (row.tests, row.not_on_vllm, row.passed_vllm, row.unexpected) == (4, 3, 1, ())
     assert row.reasons == (("skipped: requires CUDA", 2), ("failed: ValidationError: no config", 1))
     assert "| `f.py` | 3 | 2 × skipped: requires CUDA; 1 × failed: ValidationError: no config |" in (
-        vllm_compat.render_reasons([row])
+        render_reasons([row])
     )
 
 
 def test_every_listed_difference_names_a_test_file_of_the_scope_and_is_explained_in_the_docs() -> None:
-    differences = vllm_compat.load_differences(REPO / "compat" / "differences.toml")
+    differences = load_differences(REPO / "compat" / "differences.toml")
     explained = (REPO / "docs" / "vllm-compat.md").read_text()
     assert differences
     for difference in differences:
         for test in difference.tests:
             test_file = test.split("::")[0]
             assert test_file.endswith(".py"), test
-            vllm_compat.scope_of(test_file)  # raises for a file outside the scopes
+            scope_of(test_file)  # raises for a file outside the scopes
             assert test.split("::")[1].split("[")[0] in explained, (
                 f"{test} is not explained in docs/vllm-compat.md"
             )
 
 
-def row(name: str, *counts: int) -> vllm_compat.FileRow:
+def row(name: str, *counts: int) -> FileRow:
     tests, not_on_vllm, passed_vllm, passed_kvo, vllm_only, flaky, deliberate, unexpected = counts
-    return vllm_compat.FileRow(
+    return FileRow(
         name,
         tests,
         not_on_vllm,
@@ -466,16 +481,14 @@ def row(name: str, *counts: int) -> vllm_compat.FileRow:
         tuple(f"{name}::v{i}" for i in range(vllm_only)),
         tuple((f"{name}::f{i}", "vLLM") for i in range(flaky)),
         deliberate,
-        tuple(vllm_compat.Outcome(f"{name}::u{i}", "failed") for i in range(unexpected)),
+        tuple(Outcome(f"{name}::u{i}", "failed") for i in range(unexpected)),
         (),
         (),
     )
 
 
 def test_the_table_has_a_row_per_file_and_a_total() -> None:
-    lines = vllm_compat.render_table(
-        [row("a.py", 9, 2, 6, 3, 1, 1, 1, 0), row("b.py", 2, 0, 2, 1, 0, 0, 0, 1)]
-    )
+    lines = render_table([row("a.py", 9, 2, 6, 3, 1, 1, 1, 0), row("b.py", 2, 0, 2, 1, 0, 0, 0, 1)])
     assert lines.splitlines()[0] == (
         "| vLLM test file | tests | skip/fail on vLLM | pass on vLLM | pass on kvoffload | vLLM-only | flaky"
         " | deliberate | unexpected |"
@@ -518,7 +531,7 @@ def dead(pid: int) -> bool:
 
 def test_a_run_out_of_time_is_interrupted_then_its_whole_group_is_killed(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
-    done = vllm_compat.run_in_group(
+    done = run_in_group(
         sleeper(pid_file, ignore_sigint=True),
         cwd=tmp_path,
         env=os.environ,
@@ -539,7 +552,7 @@ import subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
 open({str(pid_file)!r}, "w").write(str(child.pid))
 """
-    done = vllm_compat.run_in_group(
+    done = run_in_group(
         [sys.executable, "-c", code], cwd=tmp_path, env=os.environ, log=tmp_path / "log", timeout_s=120
     )
     assert (done.timed_out, done.returncode, done.leftovers) == (False, 0, 1)
@@ -556,7 +569,7 @@ open({str(pid_file)!r}, "w").write(str(child.pid))
 open({str(report)!r}, "w").write("<testsuites/>")
 child.wait()
 """
-    done = vllm_compat.run_in_group(
+    done = run_in_group(
         [sys.executable, "-c", code],
         cwd=tmp_path,
         env=os.environ,
@@ -570,12 +583,12 @@ child.wait()
 
 
 def test_an_interrupted_harness_kills_every_group_in_flight_and_starts_no_other(tmp_path: Path) -> None:
-    groups = vllm_compat.ProcessGroups()
+    groups = ProcessGroups()
     pid_file = tmp_path / "child.pid"
-    results: list[vllm_compat.GroupRun] = []
+    results: list[GroupRun] = []
     runner = threading.Thread(
         target=lambda: results.append(
-            vllm_compat.run_in_group(
+            run_in_group(
                 sleeper(pid_file),
                 cwd=tmp_path,
                 env=os.environ,
@@ -594,8 +607,8 @@ def test_an_interrupted_harness_kills_every_group_in_flight_and_starts_no_other(
     runner.join(timeout=120)
     assert [r.returncode for r in results] == [-signal.SIGKILL]
     assert dead(int(pid_file.read_text()))
-    with pytest.raises(vllm_compat.Interrupted):
-        vllm_compat.run_in_group(
+    with pytest.raises(Interrupted):
+        run_in_group(
             ["sleep", "1000"],
             cwd=tmp_path,
             env=os.environ,
@@ -610,8 +623,8 @@ def test_an_interrupted_harness_kills_every_group_in_flight_and_starts_no_other(
 
 def can_unshare() -> bool:
     try:
-        argv = [*vllm_compat.private_shm_argv(), "true"]
-    except vllm_compat.SetupError:
+        argv = [*private_shm_argv(), "true"]
+    except SetupError:
         return False
     return subprocess.run(argv, capture_output=True, timeout=60, check=False).returncode == 0
 
@@ -624,7 +637,7 @@ def test_a_run_writes_into_a_tmpfs_of_its_own_and_never_into_the_hosts(tmp_path:
     name = f"kvtest-compat-{os.getpid()}"
     script = f"touch /dev/shm/{name} && ls /dev/shm && grep ' /dev/shm ' /proc/self/mounts"
     done = subprocess.run(
-        [*vllm_compat.private_shm_argv(), "sh", "-c", script],
+        [*private_shm_argv(), "sh", "-c", script],
         capture_output=True,
         text=True,
         timeout=60,
@@ -638,9 +651,9 @@ def test_a_run_writes_into_a_tmpfs_of_its_own_and_never_into_the_hosts(tmp_path:
 
 def vllm_tests(vllm_tree: Path, name: str, code: str) -> str:
     """A test file of the fake sdist, under kv_offload; its name as the table gives it."""
-    tests = vllm_tree / vllm_compat.TESTS / "kv_offload"
+    tests = vllm_tree / TESTS / "kv_offload"
     tests.mkdir(parents=True, exist_ok=True)
-    for package in ("tests", vllm_compat.TESTS, f"{vllm_compat.TESTS}/kv_offload"):
+    for package in ("tests", TESTS, f"{TESTS}/kv_offload"):
         (vllm_tree / package / "__init__.py").write_text("")
     (tests / name).write_text(textwrap.dedent(code))
     return f"kv_offload/{name}"
@@ -670,8 +683,8 @@ def test_one_file_runs_on_both_targets_and_each_test_is_reported(vllm_tree: Path
         """,
     )
     python = Path(sys.executable)
-    ours = vllm_compat.run_file(python, vllm_tree, "kvoffload", test_file, runs(tmp_path))
-    theirs = vllm_compat.run_file(python, vllm_tree, "vllm", test_file, runs(tmp_path))
+    ours = run_file(python, vllm_tree, "kvoffload", test_file, runs(tmp_path))
+    theirs = run_file(python, vllm_tree, "vllm", test_file, runs(tmp_path))
     assert [(o.test, o.outcome) for o in ours.outcomes] == [
         (f"{test_file}::test_the_module_is_kvoffloads", "passed"),
         (f"{test_file}::test_shm_is_private", "passed"),
@@ -722,7 +735,7 @@ def test_the_probe_sees_kvoffload_code_run_in_the_test_its_threads_and_its_spawn
             assert child.exitcode == 0
         """,
     )
-    run = vllm_compat.run_file(Path(sys.executable), vllm_tree, "kvoffload", test_file, runs(tmp_path))
+    run = run_file(Path(sys.executable), vllm_tree, "kvoffload", test_file, runs(tmp_path))
     assert [o.outcome for o in run.outcomes] == ["passed"] * 5
     assert run.kvoffload_ran == {
         f"{test_file}::test_calls_kvoffload",
@@ -751,9 +764,7 @@ def test_a_file_that_runs_out_of_time_keeps_what_it_finished_and_leaves_no_proce
             child.wait()
         """,
     )
-    run = vllm_compat.run_file(
-        Path(sys.executable), vllm_tree, "vllm", test_file, runs(tmp_path), timeout_s=20
-    )
+    run = run_file(Path(sys.executable), vllm_tree, "vllm", test_file, runs(tmp_path), timeout_s=20)
     assert run.timed_out
     assert [(o.test, o.outcome) for o in run.outcomes] == [
         (f"{test_file}::test_finishes", "passed"),
@@ -761,7 +772,7 @@ def test_a_file_that_runs_out_of_time_keeps_what_it_finished_and_leaves_no_proce
     ]
     assert run.outcomes[-1].message == "timed out after 20 s; killed"
     assert dead(int(pid_file.read_text()))
-    row = vllm_compat.compare(test_file, run.outcomes, [], [])
+    row = compare(test_file, run.outcomes, [], [])
     assert row.reasons == (("the run failed: timed out after 20 s; killed", 1),)
 
 
@@ -789,7 +800,7 @@ def test_why_a_file_does_not_run_comes_from_its_own_collection(vllm_tree: Path, 
     )
     python, out = Path(sys.executable), runs(tmp_path)
     rows = [
-        vllm_compat.compare(f, vllm_compat.run_file(python, vllm_tree, "vllm", f, out).outcomes, [], [])
+        compare(f, run_file(python, vllm_tree, "vllm", f, out).outcomes, [], [])
         for f in (missing, skipped, marked)
     ]
     assert [r.reasons for r in rows] == [
@@ -822,8 +833,8 @@ def test_a_test_that_fails_then_passes_alone_is_reported_flaky(vllm_tree: Path, 
         """,
     )
     python, out = Path(sys.executable), runs(tmp_path)
-    first = vllm_compat.run_file(python, vllm_tree, "vllm", test_file, out)
+    first = run_file(python, vllm_tree, "vllm", test_file, out)
     failed = [o.test for o in first.outcomes if o.outcome == "failed"]
-    again = vllm_compat.run_file(python, vllm_tree, "vllm", test_file, out, failed)
-    settled = vllm_compat.settle(first.outcomes, again.outcomes)
+    again = run_file(python, vllm_tree, "vllm", test_file, out, failed)
+    settled = settle(first.outcomes, again.outcomes)
     assert [(o.outcome, o.message) for o in settled] == [("flaky", "AssertionError: first time")]

@@ -45,7 +45,8 @@ from kvoffload.liveness.watch import (
     pod_uid_of,
 )
 from kvoffload.shm import names
-from shmctl.render.watch import WatchMetrics, parse_listen
+from shmctl.serve.agent import parse_listen
+from shmctl.serve.state import WatchMetrics
 from tests.support.hostile import shmctl
 from tests.support.kubelet import KubeletNode
 from tests.support.procs import REPO, Child, region_path, write_file

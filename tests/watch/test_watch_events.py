@@ -30,7 +30,8 @@ from kvoffload.liveness.watch import (
     WatchConfig,
     Watcher,
 )
-from shmctl.render.watch import EventWriter, WatchMetrics
+from shmctl.render.watch import EventWriter
+from shmctl.serve.state import WatchMetrics
 from tests.support.hostile import shmctl
 from tests.support.procs import REPO, region_path, write_file
 from tests.support.schemas import validate

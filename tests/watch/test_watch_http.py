@@ -35,8 +35,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import ConfigError
 from kvoffload.liveness.watch import WatchConfig, Watcher
-from shmctl.render import http as server_http
-from shmctl.render.watch import WatchMetrics, serving
+from shmctl.serve import server as server_http
+from shmctl.serve.agent import serving
+from shmctl.serve.state import WatchMetrics
 from tests.support.procs import REPO, region_path, write_file
 
 NOFILE = 1024
@@ -485,7 +486,7 @@ def test_a_head_that_does_not_arrive_in_time_closes_its_connection() -> None:
 EMFILE_SERVER = textwrap.dedent(
     """
     import resource, sys
-    from shmctl.render import http
+    from shmctl.serve import server as http
     sock = http.listening_socket("127.0.0.1", 0)
     resource.setrlimit(resource.RLIMIT_NOFILE, (24, 24))
 
