@@ -29,8 +29,8 @@ from shmctl.render import (
 )
 
 if TYPE_CHECKING:
-    from kvoffload.engine import InitPlan, InitReport, LiveEngine, MatrixCell, MatrixReport, ProgressEvent
-    from kvoffload.engine.report import (
+    from kvoffload.bringup import InitPlan, InitReport, LiveEngine, MatrixCell, MatrixReport, ProgressEvent
+    from kvoffload.bringup.report import (
         ErrorInfo,
         KeptFile,
         MatrixStop,

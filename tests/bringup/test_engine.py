@@ -1,5 +1,6 @@
-"""``kvoffload.engine``: the plan allocates nothing, the bring-up runs vLLM's order in real
-processes, and every fault at every stage ends with the cleanup contract checked in the root.
+"""``kvoffload.bringup`` with kvoffload's own participants: the plan allocates nothing, the
+bring-up runs vLLM's order in real processes, and every fault at every stage ends with the
+cleanup contract checked in the root.
 
 Bring-ups run in a private directory of the real /dev/shm tmpfs (``tests.support.procs.shm_dir``)
 with a test-tagged engine id, so a concurrent run elsewhere on the host cannot touch them.
@@ -21,11 +22,11 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingSettings
-from kvoffload.engine import FailMode, LiveEngine, Verdict, bring_up, build_fault_plan, plan, run_matrix
-from kvoffload.engine.inputs import load_config, read_kv_transfer_config
-from kvoffload.engine.plan import CREATOR_ONLY, MAX_WORLD_SIZE, SCHEDULER, WORKER, plan_stages, stage_sides
-from kvoffload.engine.report import ErrorInfo, InitReport, MatrixCell, measure_residue
+from kvoffload.bringup import FailMode, LiveEngine, Verdict, bring_up, build_fault_plan, plan, run_matrix
+from kvoffload.bringup.inputs import load_config
+from kvoffload.bringup.plan import CREATOR_ONLY, MAX_WORLD_SIZE, SCHEDULER, WORKER, plan_stages, stage_sides
+from kvoffload.bringup.report import ErrorInfo, InitReport, MatrixCell, measure_residue
+from kvoffload.config import PAGESIZE, OffloadingSettings, read_kv_transfer_config
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault, RootError
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import Status, scan

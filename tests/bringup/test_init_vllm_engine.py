@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
+from kvoffload.bringup.report import Verdict
+from kvoffload.bringup.vllm_engine import bring_up_vllm, engine_kv_transfer_config, model_kv_bytes_per_block
 from kvoffload.config import OffloadingSettings
-from kvoffload.engine.report import Verdict
 from kvoffload.errors import ConfigError
-from kvoffload.vllm_engine.bringup import bring_up_vllm, engine_kv_transfer_config, model_kv_bytes_per_block
 from shmctl.app import main
 from tests.support.procs import REPO
 from tests.support.schemas import validate
@@ -315,7 +315,7 @@ def test_ctrl_c_during_the_start_kills_the_engines_group_and_exits_as_interrupte
     code = (
         "import sys\n"
         "from kvoffload.config import OffloadingSettings\n"
-        "from kvoffload.vllm_engine.bringup import bring_up_vllm\n"
+        "from kvoffload.bringup.vllm_engine import bring_up_vllm\n"
         "config = OffloadingSettings.from_kv_transfer_config(\n"
         f"    {json.dumps({**CPU, 'engine_id': engine_id})!r},\n"
         f"    worker_kv_bytes_per_block=65536, root={str(root)!r})\n"
@@ -340,7 +340,7 @@ def test_ctrl_c_during_the_start_kills_the_engines_group_and_exits_as_interrupte
 
 
 def test_the_kvoffload_engines_report_says_so(root: Path, engine_id: str) -> None:
-    from kvoffload.engine.report import InitReport
+    from kvoffload.bringup.report import InitReport
 
     fields = {f.name: f.default for f in dataclasses.fields(InitReport)}
     assert fields["engine"] == "kvoffload"

@@ -27,9 +27,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from kvoffload.config import PAGESIZE, OffloadingSizing
-from kvoffload.engine.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
-from kvoffload.engine.plan import (
+from kvoffload.bringup.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
+from kvoffload.bringup.plan import (
     Capacity,
     Geometry,
     InitPlan,
@@ -39,8 +38,8 @@ from kvoffload.engine.plan import (
     TierPlan,
     WorkerSlot,
 )
-from kvoffload.engine.report import SCHEMA_VERSION as REPORT_SCHEMA_VERSION
-from kvoffload.engine.report import (
+from kvoffload.bringup.report import SCHEMA_VERSION as REPORT_SCHEMA_VERSION
+from kvoffload.bringup.report import (
     CleanupStep,
     CrashInfo,
     ErrorInfo,
@@ -56,6 +55,7 @@ from kvoffload.engine.report import (
     ResidueFile,
     StageResult,
 )
+from kvoffload.config import PAGESIZE, OffloadingSizing
 from kvoffload.shm import names
 from kvoffload.shm.mounts import HugePages
 from tests.support.procs import REPO, TEST_TAG, Child, shm_dir
