@@ -16,11 +16,12 @@ from kvoffload.bringup.faultplan import FailMode, Target, build_fault_plan, pars
 from kvoffload.bringup.kvoffload_engine import SKIP_RELEASE_ENV, LiveEngine, ProgressEvent, bring_up
 from kvoffload.bringup.matrix import DEFAULT_MODES, run_matrix
 from kvoffload.bringup.plan import InitPlan, plan
-from kvoffload.bringup.report import InitReport, MatrixCell, MatrixReport, Verdict
+from kvoffload.bringup.report import BringUpOutcome, InitReport, MatrixCell, MatrixReport
 
 __all__ = [
     "DEFAULT_MODES",
     "SKIP_RELEASE_ENV",
+    "BringUpOutcome",
     "FailMode",
     "InitPlan",
     "InitReport",
@@ -29,7 +30,6 @@ __all__ = [
     "MatrixReport",
     "ProgressEvent",
     "Target",
-    "Verdict",
     "bring_up",
     "build_fault_plan",
     "parse_target",

@@ -46,15 +46,13 @@ from kvoffload.bringup.report import (
     CleanupStep,
     CrashInfo,
     ErrorInfo,
-    HeldHandle,
     InitReport,
     InjectedFaultInfo,
     LogLine,
-    Residue,
     StageResult,
     judge,
-    measure_residue,
 )
+from kvoffload.bringup.residue import HeldHandle, Residue, measure_residue
 from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.liveness.reap import reap_command

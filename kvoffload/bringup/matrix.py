@@ -28,20 +28,20 @@ from kvoffload.bringup.kvoffload_engine import DEFAULT_IDLE_TIMEOUT_S, bring_up,
 from kvoffload.bringup.plan import CapacityError, check_capacity, plan, size_text
 from kvoffload.bringup.report import (
     SCHEMA_VERSION,
+    BringUpOutcome,
     InitReport,
     KeptFile,
     MatrixCell,
     MatrixReport,
     MatrixStop,
-    Verdict,
-    measure_residue,
 )
+from kvoffload.bringup.residue import measure_residue
 from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError
 
 #: raise, an errno vLLM really met (EFAULT from a full tmpfs, #54002), and failing cleanup.
 DEFAULT_MODES = ("raise", "oserror:EFAULT", "cleanup-raise")
-_PASSING = (Verdict.CONTRACT_HELD, Verdict.NOT_FIRED)
+_PASSING = (BringUpOutcome.CONTRACT_HELD, BringUpOutcome.NOT_FIRED)
 
 
 def run_matrix(
@@ -169,7 +169,7 @@ def _cell(stage: str, mode: FailMode, report: InitReport, vouched: frozenset[int
         engine_id=report.engine_id,
         verdict=report.verdict,
         passed=report.verdict in _PASSING,
-        leaked=bool(report.residue) or report.verdict == Verdict.LEAKED,
+        leaked=bool(report.residue) or report.verdict == BringUpOutcome.LEAKED,
         fired=bool(report.fault and report.fault.fired),
         error=report.error,
         residue=report.residue,

@@ -36,15 +36,8 @@ from typing import Any, TypeVar
 
 from kvoffload import faults
 from kvoffload.bringup.plan import SCHEDULER, WORKER
-from kvoffload.bringup.report import (
-    CleanupStep,
-    ErrorInfo,
-    Footprint,
-    LogLine,
-    StageResult,
-    held_handles,
-    left_running,
-)
+from kvoffload.bringup.report import CleanupStep, ErrorInfo, LogLine, StageResult
+from kvoffload.bringup.residue import Footprint, held_handles, left_running
 from kvoffload.config import OffloadingSettings
 from kvoffload.errors import KvOffloadError
 from kvoffload.release import Journal, ReleaseStep

@@ -53,13 +53,11 @@ from kvoffload.bringup.report import (
     ErrorInfo,
     InitReport,
     InjectedFaultInfo,
-    Residue,
     StageResult,
     VllmEngineInfo,
-    held_handles,
     judge,
-    measure_residue,
 )
+from kvoffload.bringup.residue import Residue, held_handles, measure_residue
 from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError
 from kvoffload.liveness.reap import reap_command

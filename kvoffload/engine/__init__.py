@@ -16,13 +16,15 @@ from kvoffload.bringup import (
     MatrixReport,
     ProgressEvent,
     Target,
-    Verdict,
     bring_up,
     build_fault_plan,
     parse_target,
     plan,
     run_matrix,
 )
+
+#: Renamed kvoffload.bringup.BringUpOutcome; kept here for one release (issue #29).
+from kvoffload.engine.report import Verdict
 
 __all__ = [
     "DEFAULT_MODES",

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.bringup.report import Verdict
+from kvoffload.bringup.report import BringUpOutcome
 from kvoffload.bringup.vllm_engine import bring_up_vllm, engine_kv_transfer_config, model_kv_bytes_per_block
 from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError
@@ -214,7 +214,7 @@ def test_no_fault_is_ok_with_every_stage_and_the_engines_processes(
     root: Path, engine_id: str, model: Path, standin_mode: Any
 ) -> None:
     report = bring_up_vllm(settings(root, engine_id, model), model=model, command=STANDIN, settle_s=5)
-    assert report.verdict is Verdict.OK
+    assert report.verdict is BringUpOutcome.OK
     assert report.engine == "vllm"
     assert report.vllm is not None
     assert {p.participant for p in report.vllm.processes} == {"client", "scheduler", "worker 0"}
@@ -236,7 +236,7 @@ def test_an_injected_fault_is_reported_with_its_point_and_process_and_the_contra
 ) -> None:
     config = settings(root, engine_id, model)
     report = bring_up_vllm(config, model=model, fail_at=["region.populate"], command=STANDIN, settle_s=5)
-    assert report.verdict is Verdict.CONTRACT_HELD
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.fault is not None
     assert report.fault.fired_in == ("worker 0",)
     assert report.error is not None
@@ -258,7 +258,7 @@ def test_an_oserror_fault_carries_its_errno(
     report = bring_up_vllm(
         config, model=model, fail_at=["manager"], fail_mode="oserror:EFAULT", command=STANDIN, settle_s=5
     )
-    assert report.verdict is Verdict.CONTRACT_HELD
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.error is not None
     assert (report.error.type, report.error.errno, report.error.participant) == ("OSError", 14, "scheduler")
     validate(report_json(report), "init")
@@ -269,7 +269,7 @@ def test_a_process_that_outlives_the_client_is_leaked_and_killed(
 ) -> None:
     standin_mode("leave-process")
     report = bring_up_vllm(settings(root, engine_id, model), model=model, command=STANDIN, settle_s=2)
-    assert report.verdict is Verdict.LEAKED
+    assert report.verdict is BringUpOutcome.LEAKED
     assert report.vllm is not None
     assert [p.participant for p in report.vllm.processes_left] == ["worker 0"]
     assert not [p for p in report.vllm.processes if running(p.pid)]
@@ -283,7 +283,7 @@ def test_a_region_file_left_after_a_clean_exit_is_residue(
     standin_mode("leave-file")
     report = bring_up_vllm(settings(root, engine_id, model), model=model, command=STANDIN, settle_s=5)
     try:
-        assert report.verdict is Verdict.LEAKED
+        assert report.verdict is BringUpOutcome.LEAKED
         assert [p.name for p in report.residue.paths] == [f"vllm_offload_{engine_id}.mmap"]
         validate(report_json(report), "init")
     finally:
@@ -298,7 +298,7 @@ def test_a_start_past_its_timeout_fails_and_its_process_group_is_killed(
     report = bring_up_vllm(
         settings(root, engine_id, model), model=model, command=STANDIN, start_timeout_s=1.0, settle_s=1
     )
-    assert report.verdict is Verdict.FAILED
+    assert report.verdict is BringUpOutcome.FAILED
     assert report.error is not None
     assert (report.error.type, report.error.stage) == ("TimeoutError", "engine")
     assert report.vllm is not None
@@ -356,5 +356,5 @@ def test_a_real_engine_comes_up_and_down_with_nothing_left(root: Path, engine_id
     if not (model / "config.json").is_file():
         pytest.skip("no model: make vllm-engine builds one under build/vllm-engine/model")
     report = bring_up_vllm(settings(root, engine_id, model), model=model)
-    assert report.verdict is Verdict.OK
+    assert report.verdict is BringUpOutcome.OK
     validate(report_json(report), "init")

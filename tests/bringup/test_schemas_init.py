@@ -43,7 +43,6 @@ from kvoffload.bringup.report import (
     CleanupStep,
     CrashInfo,
     ErrorInfo,
-    HeldHandle,
     InitReport,
     InjectedFaultInfo,
     KeptFile,
@@ -51,10 +50,9 @@ from kvoffload.bringup.report import (
     MatrixCell,
     MatrixReport,
     MatrixStop,
-    Residue,
-    ResidueFile,
     StageResult,
 )
+from kvoffload.bringup.residue import HeldHandle, Residue, ResidueFile
 from kvoffload.config import PAGESIZE, OffloadingSizing
 from kvoffload.shm import names
 from kvoffload.shm.mounts import HugePages

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvoffload.bringup.plan import MAX_WORLD_SIZE
-from kvoffload.bringup.report import measure_residue
+from kvoffload.bringup.residue import measure_residue
 from kvoffload.config import PAGESIZE
 from kvoffload.liveness.reap import reap_command
 from kvoffload.shm import mounts, names

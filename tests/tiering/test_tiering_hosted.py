@@ -40,9 +40,9 @@ import pytest
 
 import kvoffload.tiering
 from kvoffload import faults
-from kvoffload.bringup import Verdict, bring_up, run_matrix
+from kvoffload.bringup import BringUpOutcome, bring_up, run_matrix
 from kvoffload.bringup.plan import plan_stages
-from kvoffload.bringup.report import Footprint, left_running
+from kvoffload.bringup.residue import Footprint, left_running
 from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.errors import InjectedFault
 from kvoffload.tiering import hosted_wrappers
@@ -387,13 +387,13 @@ def test_a_failing_release_step_still_stops_the_tiers_thread_and_socket(
 
 def test_a_bring_up_with_the_socket_tier_leaves_nothing(engine_id: str, root: Path) -> None:
     report = bring_up(socket_tier_config(engine_id, root))
-    assert report.verdict == Verdict.OK, report.errors
+    assert report.verdict == BringUpOutcome.OK, report.errors
     assert not any("thread and socket" in s.what for s in report.cleanup)
 
 
 def test_a_bring_up_whose_tier_keeps_its_thread_and_socket_is_leaked(engine_id: str, root: Path) -> None:
     report = bring_up(socket_tier_config(engine_id, root, leak=True))
-    assert report.verdict == Verdict.LEAKED
+    assert report.verdict == BringUpOutcome.LEAKED
     assert not report.residue
     [step] = [s for s in report.cleanup if s.what == "stop every thread and socket started since init"]
     assert step.participant == "scheduler"
@@ -411,7 +411,7 @@ def test_the_fault_matrix_over_the_socket_tiers_points_leaves_nothing(engine_id:
         modes=("raise", "cleanup-raise"),
     )
     assert [(c.stage, c.mode, c.verdict) for c in report.cells] == [
-        (stage, mode, Verdict.CONTRACT_HELD)
+        (stage, mode, BringUpOutcome.CONTRACT_HELD)
         for stage in ("secondary.0", "manager", "cleanup.secondary.0")
         for mode in ("raise", "cleanup-raise")
     ]
@@ -583,7 +583,7 @@ def test_the_fault_matrix_over_vllms_p2p_tier_leaves_nothing(engine_id: str, roo
     )
     report = run_matrix(config, stages=stages, modes=("raise", "cleanup-raise"))
     assert [(c.stage, c.mode, c.verdict) for c in report.cells] == [
-        (stage, mode, Verdict.CONTRACT_HELD) for stage in stages for mode in ("raise", "cleanup-raise")
+        (stage, mode, BringUpOutcome.CONTRACT_HELD) for stage in stages for mode in ("raise", "cleanup-raise")
     ]
     assert report.leaked == 0
     assert list(root.iterdir()) == []
