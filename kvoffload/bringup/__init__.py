@@ -13,15 +13,18 @@ package stays cheap.
 """
 
 from kvoffload.bringup.faultplan import FailMode, Target, build_fault_plan, parse_target
-from kvoffload.bringup.kvoffload_engine import SKIP_RELEASE_ENV, LiveEngine, ProgressEvent, bring_up
+from kvoffload.bringup.kvoffload_engine import SKIP_RELEASE_ENV, ProgressEvent, bring_up
 from kvoffload.bringup.matrix import DEFAULT_MODES, run_matrix
 from kvoffload.bringup.plan import InitPlan, plan
 from kvoffload.bringup.report import BringUpOutcome, InitReport, MatrixCell, MatrixReport
+from kvoffload.bringup.request import BringUpRequest, LiveEngine
+from kvoffload.bringup.vllm_engine import bring_up_vllm
 
 __all__ = [
     "DEFAULT_MODES",
     "SKIP_RELEASE_ENV",
     "BringUpOutcome",
+    "BringUpRequest",
     "FailMode",
     "InitPlan",
     "InitReport",
@@ -31,6 +34,7 @@ __all__ = [
     "ProgressEvent",
     "Target",
     "bring_up",
+    "bring_up_vllm",
     "build_fault_plan",
     "parse_target",
     "plan",

@@ -1,5 +1,7 @@
-"""bring_up: an engine's offload bring-up in real processes, a fault at a chosen stage,
-a graceful teardown, and a residue check of the root.
+"""``shmctl init`` (``--engine kvoffload``): the rehearsal in kvoffload's own participant
+processes: an engine's offload bring-up, a fault at a chosen stage, a graceful teardown, and
+a residue check of the root. Its sibling ``vllm_engine`` runs the same ``BringUpRequest``
+through a real vLLM engine; the state and the report they share are ``rehearsal``'s.
 
 The order is vLLM's: every worker process constructs the spec and ``create_worker``
 (maps its slot of the region) first; only when all of them are up does the scheduler
@@ -35,14 +37,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from kvoffload.bringup import participant
-from kvoffload.bringup.faultplan import FailMode, FaultPlan, Target, build_fault_plan, markers_only
-from kvoffload.bringup.plan import SCHEDULER, WORKER, InitPlan, plan
+from kvoffload.bringup.faultplan import FaultPlan, markers_only
+from kvoffload.bringup.plan import SCHEDULER, WORKER, InitPlan
+from kvoffload.bringup.rehearsal import Rehearsal
 from kvoffload.bringup.report import (
-    SCHEMA_VERSION,
     CleanupStep,
     CrashInfo,
     ErrorInfo,
@@ -50,17 +51,14 @@ from kvoffload.bringup.report import (
     InjectedFaultInfo,
     LogLine,
     StageResult,
-    judge,
 )
+from kvoffload.bringup.request import BringUpRequest
 from kvoffload.bringup.residue import HeldHandle, Residue, measure_residue
-from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError, KvOffloadError
-from kvoffload.liveness.reap import reap_command
 
 #: Test-only switch: ``worker`` or ``scheduler`` exits without releasing what it holds.
 SKIP_RELEASE_ENV = "KVOFFLOAD_INIT_SKIP_RELEASE"
 SKIP_RELEASE_ROLES = (WORKER, SCHEDULER)
-DEFAULT_IDLE_TIMEOUT_S = 60.0
 _PRELOAD = [
     "kvoffload.bringup.participant",
     "kvoffload.cpu.spec",
@@ -83,17 +81,6 @@ class ProgressEvent:
     total: int
 
 
-@dataclass(frozen=True, slots=True)
-class LiveEngine:
-    """The engine while ``--hold`` keeps it up: who runs it and which files are visible now."""
-
-    engine_id: str
-    root: Path
-    pids: dict[str, int]
-    files: tuple[Path, ...]
-    path_lifetime: str
-
-
 def require_torch() -> None:
     """Refuse a real bring-up before any process starts when torch is missing.
 
@@ -111,48 +98,32 @@ def require_torch() -> None:
 
 
 def bring_up(
-    config: OffloadingSettings,
+    request: BringUpRequest,
     *,
-    fail_at: Sequence[str] = (),
-    fail_mode: FailMode | str = "raise",
-    target_rank: Target = None,
-    seed: int | None = None,
-    roundtrip: bool = True,
-    hold: Callable[[LiveEngine], None] | None = None,
-    hold_s: float | None = None,
     progress: Callable[[ProgressEvent], None] | None = None,
-    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     skip_release: str | None = None,
     start_method: str = "forkserver",
 ) -> InitReport:
     """Bring the engine up in ``world_size`` worker processes and a scheduler process, tear it
     down, and report every stage, the injected fault, the cleanup steps and the residue.
 
-    ``hold``: called with the live engine once it is up (and the round trip is done); the
-    engine then stays up for ``hold_s`` seconds, or until Ctrl-C when ``hold_s`` is None.
-    ``skip_release`` (default: ``$KVOFFLOAD_INIT_SKIP_RELEASE``) is the test-only switch
-    that makes the workers or the scheduler exit without releasing anything.
+    ``progress``: called as a participant populates the region. ``skip_release`` (default:
+    ``$KVOFFLOAD_INIT_SKIP_RELEASE``) is the test-only switch that makes the workers or the
+    scheduler exit without releasing anything.
     Raises ``ConfigError`` before starting anything when the fault or the config is invalid.
     """
-    the_plan = plan(config)
-    fault = build_fault_plan(the_plan, fail_at, fail_mode, target_rank, seed)
-    if fault is None and isinstance(target_rank, int | str):
-        raise ConfigError("--rank", "aims a fault, so it needs --fail-at")
+    the_plan, fault = request.plan_fault()
     skip = os.environ.get(SKIP_RELEASE_ENV) if skip_release is None else skip_release
     if skip and skip not in SKIP_RELEASE_ROLES:
         raise ConfigError(SKIP_RELEASE_ENV, f"{skip!r} is neither 'worker' nor 'scheduler'")
-    if idle_timeout_s <= 0:
-        raise ConfigError("idle_timeout_s", f"must be positive, got {idle_timeout_s:g}")
+    if request.idle_timeout_s <= 0:
+        raise ConfigError("idle_timeout_s", f"must be positive, got {request.idle_timeout_s:g}")
     require_torch()
     run = _BringUp(
-        config,
+        request,
         the_plan,
         fault,
-        roundtrip=roundtrip,
-        hold=hold,
-        hold_s=hold_s,
         progress=progress,
-        idle_timeout_s=idle_timeout_s,
         skip_release=skip or None,
         start_method=start_method,
     )
@@ -209,44 +180,30 @@ class _Crash:
     killed: tuple[str, ...]
 
 
-class _BringUp:
+class _BringUp(Rehearsal):
     def __init__(
         self,
-        config: OffloadingSettings,
+        request: BringUpRequest,
         the_plan: InitPlan,
         fault: FaultPlan | None,
         *,
-        roundtrip: bool,
-        hold: Callable[[LiveEngine], None] | None,
-        hold_s: float | None,
         progress: Callable[[ProgressEvent], None] | None,
-        idle_timeout_s: float,
         skip_release: str | None,
         start_method: str,
     ) -> None:
-        self.config = config
-        self.plan = the_plan
-        self.fault = fault
-        self.roundtrip = roundtrip
-        self.hold = hold
-        self.hold_s = hold_s
+        super().__init__(request, the_plan, fault)
         self.progress = progress
-        self.idle_timeout_s = idle_timeout_s
         self.skip_release = skip_release
         self.ctx = mp_context(start_method)
         self.failpoints = fault.per_participant if fault else markers_only(the_plan)
         # vLLM's CPU spec waits for every worker in a barrier before unlinking; tiering has none.
-        self.barrier = None if config.is_tiering else self.ctx.Barrier(config.world_size)
+        self.barrier = None if self.config.is_tiering else self.ctx.Barrier(self.config.world_size)
         self.barrier_aborted = False
         self.children: list[_Child] = []
         self.stages: list[StageResult] = []
-        self.parent_steps: list[CleanupStep] = []
         self.extra_errors: list[ErrorInfo] = []
         self.logs: list[LogLine] = []
         self.crash: _Crash | None = None
-        self.held_s: float | None = None
-        self.t0 = time.monotonic()
-        self.wall0 = time.time()
 
     # ----------------------------------------------------------------- phases
 
@@ -305,24 +262,12 @@ class _BringUp:
         self.children.append(child)
         return child
 
-    def _hold(self) -> None:
-        assert self.hold is not None
-        live = LiveEngine(
-            engine_id=self.config.engine_id,
-            root=self.config.root,
-            pids={c.name: c.pid for c in self.children},
-            files=measure_residue(self.config.root, self.config.engine_id).paths,
-            path_lifetime=self.plan.path_lifetime,
-        )
-        started = time.monotonic()
-        try:
-            self.hold(live)
-            deadline = None if self.hold_s is None else started + self.hold_s
-            # Ends at the deadline, at Ctrl-C, or when a participant dies; a held engine is silent.
-            self._pump(self.children, lambda c: False, "hold", deadline=deadline, idle=False)
-        except KeyboardInterrupt:
-            pass
-        self.held_s = time.monotonic() - started
+    def _pids(self) -> dict[str, int]:
+        return {c.name: c.pid for c in self.children}
+
+    def _stay_up(self, deadline: float | None) -> None:
+        # Ends at the deadline, at Ctrl-C, or when a participant dies; a held engine is silent.
+        self._pump(self.children, lambda c: False, "hold", deadline=deadline, idle=False)
 
     def _teardown(self) -> None:
         """Graceful, in vLLM's order: every worker shuts down, then the scheduler."""
@@ -493,9 +438,6 @@ class _BringUp:
         self.barrier.abort()
         self._step(f"abort the workers' barrier ({child.name} failed): peers waiting there fail, not hang")
 
-    def _step(self, what: str, *, ok: bool = True, error: str | None = None) -> None:
-        self.parent_steps.append(CleanupStep("parent", what, ok, error, time.time() - self.wall0))
-
     def _last_stage(self, child: _Child) -> str:
         mine = [s.name for s in self.stages if s.participant == child.name]
         return mine[-1] if mine else "start"
@@ -511,40 +453,21 @@ class _BringUp:
             for s in stages
         )
         errors = [s.error for s in stages if s.error is not None] + self.extra_errors
-        primary = next((e for e in errors if e.injected), errors[0] if errors else None)
         fault_info = self._fault_info(errors)
-        crash = self._crash_info(residue)
-        cleanup = sorted(
-            [*self.parent_steps, *(s for c in self.children for s in c.steps)], key=lambda s: s.at_s
-        )
         devices = {c.detail for c in self.children if c.role == WORKER and c.detail}
-        return InitReport(
-            schema_version=SCHEMA_VERSION,
-            engine_id=self.config.engine_id,
-            spec=self.config.spec_name,
-            root=self.config.root,
-            lifetime=self.config.lifetime,
-            world_size=self.config.world_size,
-            device=", ".join(sorted(devices)) or None,
-            fault=fault_info,
+        return self._assemble(
             stages=stages,
-            error=primary,
-            errors=tuple(errors),
-            cleanup=tuple(cleanup),
+            errors=errors,
+            fault=fault_info,
+            crash=self._crash(residue),
+            crashed=None if self.crash is None else self.crash.injected,
+            cleanup=[*self.parent_steps, *(s for c in self.children for s in c.steps)],
             residue=residue,
-            held_after_release=tuple(h for c in self.children for h in c.held),
-            crash=crash,
-            logs=tuple(self.logs),
-            held_s=self.held_s,
-            duration_s=time.monotonic() - self.t0,
-            verdict=judge(
-                residue,
-                left_running=any(c.left_running for c in self.children),
-                primary=primary,
-                fault=fault_info,
-                crashed=None if self.crash is None else self.crash.injected,
-            ),
+            left_running=any(c.left_running for c in self.children),
             warnings=self._warnings(fault_info),
+            device=", ".join(sorted(devices)) or None,
+            held_after_release=tuple(h for c in self.children for h in c.held),
+            logs=tuple(self.logs),
         )
 
     def _fault_info(self, errors: list[ErrorInfo]) -> InjectedFaultInfo | None:
@@ -560,29 +483,19 @@ class _BringUp:
             by_crash = self.crash is not None and self.crash.injected and self.crash.child is child
             if by_hits or by_error or by_crash:
                 fired_in.append(child.name)
-        return InjectedFaultInfo(
-            stages=self.fault.stages,
-            mode=str(self.fault.mode),
-            failpoints=self.fault.failpoints,
-            target=self.fault.target_name,
-            seed=self.fault.seed,
-            fired=bool(fired_in),
-            fired_in=tuple(fired_in),
-        )
+        return self._injected_fault_info(tuple(fired_in))
 
-    def _crash_info(self, residue: Residue) -> CrashInfo | None:
+    def _crash(self, residue: Residue) -> CrashInfo | None:
         if self.crash is None:
             return None
-        root, engine = self.config.root, self.config.engine_id
-        return CrashInfo(
+        return self._crash_info(
+            residue,
             participant=self.crash.child.name,
             pid=self.crash.child.pid,
             exit_code=self.crash.exit_code,
             injected=self.crash.injected,
             killed=self.crash.killed,
-            orphans=residue.paths,
-            reap_command=reap_command(root, engine) if residue else None,
-            why_nothing_left=None if residue else _why_nothing_left(self.plan),
+            why_nothing_left=_why_nothing_left(self.plan),
         )
 
     def _warnings(self, fault: InjectedFaultInfo | None) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from kvoffload.bringup.faultplan import FailMode, Target, build_fault_plan
-from kvoffload.bringup.kvoffload_engine import DEFAULT_IDLE_TIMEOUT_S, bring_up, require_torch
+from kvoffload.bringup.kvoffload_engine import bring_up, require_torch
 from kvoffload.bringup.plan import CapacityError, check_capacity, plan, size_text
 from kvoffload.bringup.report import (
     SCHEMA_VERSION,
@@ -35,6 +35,7 @@ from kvoffload.bringup.report import (
     MatrixReport,
     MatrixStop,
 )
+from kvoffload.bringup.request import DEFAULT_IDLE_TIMEOUT_S, BringUpRequest
 from kvoffload.bringup.residue import measure_residue
 from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError
@@ -90,7 +91,7 @@ def run_matrix(
             if stopped is not None:
                 break
         cell_config = dataclasses.replace(config, engine_id=f"{config.engine_id}-c{len(cells):03d}")
-        report = bring_up(
+        request = BringUpRequest(
             cell_config,
             fail_at=(name,),
             fail_mode=mode,
@@ -98,8 +99,8 @@ def run_matrix(
             seed=seed,
             roundtrip=roundtrip,
             idle_timeout_s=idle_timeout_s,
-            start_method=start_method,
         )
+        report = bring_up(request, start_method=start_method)
         # Recovered (scanned and reaped) before anyone hears of it, so before the next cell.
         cell = _cell(name, mode, report, vouched)
         cells.append(cell)

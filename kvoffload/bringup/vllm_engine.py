@@ -35,17 +35,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvoffload import faults
-from kvoffload.bringup.faultplan import FailMode, FaultPlan, Target, build_fault_plan, markers_only
-from kvoffload.bringup.kvoffload_engine import LiveEngine
-from kvoffload.bringup.plan import SCHEDULER, WORKER, InitPlan, plan
+from kvoffload.bringup.faultplan import FaultPlan, markers_only
+from kvoffload.bringup.plan import SCHEDULER, WORKER, InitPlan
+from kvoffload.bringup.rehearsal import Rehearsal
 from kvoffload.bringup.report import (
-    SCHEMA_VERSION,
     CleanupStep,
     CrashInfo,
     EngineProcess,
@@ -55,17 +54,15 @@ from kvoffload.bringup.report import (
     InjectedFaultInfo,
     StageResult,
     VllmEngineInfo,
-    judge,
 )
+from kvoffload.bringup.request import BringUpRequest
 from kvoffload.bringup.residue import Residue, held_handles, measure_residue
 from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError
-from kvoffload.liveness.reap import reap_command
 from kvoffload.vllm_engine import SPEC_MODULE_PATH, SPEC_NAMES
 
 CLIENT = "client"
 DEFAULT_START_TIMEOUT_S = 300.0
-DEFAULT_IDLE_TIMEOUT_S = 60.0
 #: How long the EngineCore and Workers get to exit after the client did, before they count as left.
 SETTLE_S = 15.0
 #: After Ctrl-C or a timeout: how long the engine gets to shut down before its group is killed.
@@ -172,18 +169,10 @@ def check_vllm_target(the_plan: InitPlan, fault: FaultPlan | None) -> None:
 
 
 def bring_up_vllm(
-    config: OffloadingSettings,
+    request: BringUpRequest,
     *,
     model: Path | str,
-    fail_at: Sequence[str] = (),
-    fail_mode: FailMode | str = "raise",
-    target_rank: Target = None,
-    seed: int | None = None,
-    roundtrip: bool = True,
-    hold: Callable[[LiveEngine], None] | None = None,
-    hold_s: float | None = None,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     settle_s: float = SETTLE_S,
     command: Sequence[str] | None = None,
 ) -> InitReport:
@@ -193,12 +182,9 @@ def bring_up_vllm(
     protocol, for tests); vLLM is required only without it. Raises ``ConfigError`` before
     anything starts for an invalid fault, an unreadable model or a missing vLLM.
     """
-    the_plan = plan(config)
-    fault = build_fault_plan(the_plan, fail_at, fail_mode, target_rank, seed)
-    if fault is None and isinstance(target_rank, int | str):
-        raise ConfigError("--rank", "aims a fault, so it needs --fail-at")
+    the_plan, fault = request.plan_fault()
     check_vllm_target(the_plan, fault)
-    for option, value in (("--start-timeout", start_timeout_s), ("--timeout", idle_timeout_s)):
+    for option, value in (("--start-timeout", start_timeout_s), ("--timeout", request.idle_timeout_s)):
         if value <= 0:
             raise ConfigError(option, f"must be positive, got {value:g}")
     if not (Path(model) / "config.json").is_file():
@@ -209,16 +195,12 @@ def bring_up_vllm(
         require_vllm()
         command = [sys.executable, "-m", "kvoffload.vllm_engine.child"]
     run = _VllmBringUp(
-        config,
+        request,
         the_plan,
         fault,
         model=str(model),
         command=list(command),
-        roundtrip=roundtrip,
-        hold=hold,
-        hold_s=hold_s,
         start_timeout_s=start_timeout_s,
-        idle_timeout_s=idle_timeout_s,
         settle_s=settle_s,
     )
     return run.run()
@@ -256,40 +238,29 @@ class _Timeout(Exception):
     pass
 
 
-class _VllmBringUp:
+class _VllmBringUp(Rehearsal):
     def __init__(
         self,
-        config: OffloadingSettings,
+        request: BringUpRequest,
         the_plan: InitPlan,
         fault: FaultPlan | None,
         *,
         model: str,
         command: list[str],
-        roundtrip: bool,
-        hold: Callable[[LiveEngine], None] | None,
-        hold_s: float | None,
         start_timeout_s: float,
-        idle_timeout_s: float,
         settle_s: float,
     ) -> None:
-        self.config = config
-        self.plan = the_plan
-        self.fault = fault
+        super().__init__(request, the_plan, fault)
         self.model = model
         self.command = command
-        self.roundtrip = roundtrip
-        self.hold = hold
-        self.hold_s = hold_s
         self.start_timeout_s = start_timeout_s
-        self.idle_timeout_s = idle_timeout_s
         self.settle_s = settle_s
         configs = fault.per_participant if fault else markers_only(the_plan)
         # One environment for every engine process: the targeted participant's configuration
         # (check_vllm_target made sure no other process reaches the fault's stage).
         self.failpoints = configs[fault.targeted[0] if fault else the_plan.participants[0]]
-        self.kv_config = engine_kv_transfer_config(config)
+        self.kv_config = engine_kv_transfer_config(self.config)
         self.engine: _Engine | None = None
-        self.parent_steps: list[CleanupStep] = []
         self.errors: list[ErrorInfo] = []
         self.up_s: float | None = None
         self.version: str | None = None
@@ -300,9 +271,6 @@ class _VllmBringUp:
         self.ended_by_us = False
         self.exit_code: int | None = None
         self.log_tail: tuple[str, ...] = ()
-        self.held_s: float | None = None
-        self.t0 = time.monotonic()
-        self.wall0 = time.time()
 
     # ----------------------------------------------------------------- phases
 
@@ -378,25 +346,14 @@ class _VllmBringUp:
         if self.hold is not None:
             self._hold()
 
-    def _hold(self) -> None:
-        assert self.hold is not None
+    def _pids(self) -> dict[str, int]:
         assert self.engine is not None
-        live = LiveEngine(
-            engine_id=self.config.engine_id,
-            root=self.config.root,
-            pids={_participant(pid, title, self.engine.pid): pid for pid, title in self.engine.seen.items()},
-            files=measure_residue(self.config.root, self.config.engine_id).paths,
-            path_lifetime=self.plan.path_lifetime,
-        )
-        started = time.monotonic()
-        try:
-            self.hold(live)
-            deadline = None if self.hold_s is None else started + self.hold_s
-            while self.engine.process.poll() is None and (deadline is None or time.monotonic() < deadline):
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            pass
-        self.held_s = time.monotonic() - started
+        return {_participant(pid, title, self.engine.pid): pid for pid, title in self.engine.seen.items()}
+
+    def _stay_up(self, deadline: float | None) -> None:
+        assert self.engine is not None
+        while self.engine.process.poll() is None and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.2)
 
     def _end(self, *, interrupted: bool) -> None:
         """Shut the engine down: its stdin closed, then its group killed; our own kill's files removed."""
@@ -588,9 +545,6 @@ class _VllmBringUp:
             injected=False,
         )
 
-    def _step(self, what: str, *, ok: bool = True, error: str | None = None) -> None:
-        self.parent_steps.append(CleanupStep("parent", what, ok, error, time.time() - self.wall0))
-
     def _log_tail(self, log: Path) -> tuple[str, ...]:
         healthy = not self.errors and not self.processes_left and not self.ended_by_us
         if healthy:
@@ -618,15 +572,10 @@ class _VllmBringUp:
             if f.injected and f.action != "crash"
         ]
         errors = [*injected, *self.errors]
-        primary = next((e for e in errors if e.injected), errors[0] if errors else None)
         crash_fired = next((f for f in fired if f.action.endswith("crash")), None)
         residue = measure_residue(self.config.root, self.config.engine_id)
         fault_info = self._fault_info(fired, name_of)
-        crash = self._crash_info(crash_fired, name_of, residue)
-        cleanup = sorted(
-            [*self.parent_steps, *self._release_steps(fired, name_of)],
-            key=lambda s: s.at_s,
-        )
+        crash = self._crash(crash_fired, name_of, residue)
         processes = tuple(
             EngineProcess(name_of[pid], pid, title) for pid, title in sorted(engine.seen.items())
         )
@@ -643,33 +592,15 @@ class _VllmBringUp:
             processes_left=tuple(self.processes_left),
             log_tail=self.log_tail,
         )
-        verdict = judge(  # a crash here is always the injected one
-            residue,
-            left_running=bool(self.processes_left),
-            primary=primary,
-            fault=fault_info,
-            crashed=None if crash is None else True,
-        )
-        return InitReport(
-            schema_version=SCHEMA_VERSION,
-            engine_id=self.config.engine_id,
-            spec=self.config.spec_name,
-            root=self.config.root,
-            lifetime=self.config.lifetime,
-            world_size=self.config.world_size,
-            device=None,
-            fault=fault_info,
+        return self._assemble(
             stages=stages,
-            error=primary,
-            errors=tuple(errors),
-            cleanup=tuple(cleanup),
-            residue=residue,
-            held_after_release=(),
+            errors=errors,
+            fault=fault_info,
             crash=crash,
-            logs=(),
-            held_s=self.held_s,
-            duration_s=time.monotonic() - self.t0,
-            verdict=verdict,
+            crashed=None if crash is None else True,  # a crash here is always the injected one
+            cleanup=[*self.parent_steps, *self._release_steps(fired, name_of)],
+            residue=residue,
+            left_running=bool(self.processes_left),
             warnings=self._warnings(fault_info),
             engine="vllm",
             vllm=info,
@@ -769,34 +700,20 @@ class _VllmBringUp:
         fired_in = tuple(
             dict.fromkeys(name_of.get(f.pid, CLIENT) for f in fired if f.injected and f.point in asked)
         )
-        return InjectedFaultInfo(
-            stages=self.fault.stages,
-            mode=str(self.fault.mode),
-            failpoints=self.fault.failpoints,
-            target=self.fault.target_name,
-            seed=self.fault.seed,
-            fired=bool(fired_in),
-            fired_in=fired_in,
-        )
+        return self._injected_fault_info(fired_in)
 
-    def _crash_info(
-        self, crash: _Fired | None, name_of: Mapping[int, str], residue: Residue
-    ) -> CrashInfo | None:
+    def _crash(self, crash: _Fired | None, name_of: Mapping[int, str], residue: Residue) -> CrashInfo | None:
         if crash is None:
             return None
-        root, engine_id = self.config.root, self.config.engine_id
         victim = name_of.get(crash.pid, CLIENT)
-        return CrashInfo(
+        return self._crash_info(
+            residue,
             participant=victim,
             pid=crash.pid,
             exit_code=-signal.SIGKILL,
             injected=True,
             killed=tuple(k for k in dict.fromkeys(self.killed) if k != victim),
-            orphans=residue.paths,
-            reap_command=reap_command(root, engine_id) if residue else None,
-            why_nothing_left=None
-            if residue
-            else "the crash left nothing: the engine's other processes released the region, "
+            why_nothing_left="the crash left nothing: the engine's other processes released the region, "
             "or no file existed yet",
         )
 

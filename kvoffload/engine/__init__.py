@@ -16,12 +16,15 @@ from kvoffload.bringup import (
     MatrixReport,
     ProgressEvent,
     Target,
-    bring_up,
     build_fault_plan,
     parse_target,
     plan,
     run_matrix,
 )
+
+#: kvoffload.bringup.bring_up takes a BringUpRequest; the old signature is kept here for one
+#: release (issue #29).
+from kvoffload.engine.bringup import bring_up
 
 #: Renamed kvoffload.bringup.BringUpOutcome; kept here for one release (issue #29).
 from kvoffload.engine.report import Verdict

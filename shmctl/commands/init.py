@@ -15,7 +15,6 @@ was not injected, a matrix cell failed, the matrix stopped early or its root can
 one cell; 130 Ctrl-C.
 """
 
-import functools
 from pathlib import Path
 from typing import Annotated
 
@@ -268,23 +267,21 @@ def init(
         starting = f"starting {world_size} worker(s) and the scheduler for engine {config.engine_id}"
     else:
         starting = f"starting vLLM ({model_dir}) with kvoffload's spec for engine {config.engine_id}"
+    request = bringup.BringUpRequest(
+        config,
+        fail_at=fail_at or (),
+        fail_mode=modes[0] if modes else "raise",
+        target_rank=target,
+        seed=seed,
+        roundtrip=roundtrip,
+        hold=render.announce_hold if hold else None,
+        idle_timeout_s=idle_timeout_s,
+    )
     with render.progress(json_output=json_output, starting=starting) as on_progress:
         if model_dir is None:
-            run = functools.partial(bringup.bring_up, progress=on_progress)
+            result = bringup.bring_up(request, progress=on_progress)
         else:
-            from kvoffload.bringup.vllm_engine import bring_up_vllm
-
-            run = functools.partial(bring_up_vllm, model=model_dir, start_timeout_s=start_timeout_s)
-        result = run(
-            config,
-            fail_at=fail_at or (),
-            fail_mode=modes[0] if modes else "raise",
-            target_rank=target,
-            seed=seed,
-            roundtrip=roundtrip,
-            hold=render.announce_hold if hold else None,
-            idle_timeout_s=idle_timeout_s,
-        )
+            result = bringup.bring_up_vllm(request, model=model_dir, start_timeout_s=start_timeout_s)
     render.init_report(result, json_output=json_output)
     raise typer.Exit(EXIT_STATUS[str(result.verdict)])
 

@@ -24,6 +24,7 @@ import pytest
 from kvoffload import faults
 from kvoffload.bringup import (
     BringUpOutcome,
+    BringUpRequest,
     FailMode,
     LiveEngine,
     bring_up,
@@ -254,7 +255,7 @@ def test_capacity_verdict_of_the_dry_run_matches_a_real_attempt(
         "tmpfs",
         4 * MIB,
     )
-    report = bring_up(config, roundtrip=False)
+    report = bring_up(BringUpRequest(config, roundtrip=False))
     assert report.residue.paths == ()
     if fits:
         assert p.capacity.fix is None
@@ -275,7 +276,7 @@ def test_bring_up_maps_workers_first_then_the_scheduler_and_leaves_nothing(
     engine_id: str, root: Path
 ) -> None:
     config = make_config(engine_id, root, TIERING, world_size=2)
-    report = bring_up(config)
+    report = bring_up(BringUpRequest(config))
     assert report.verdict is BringUpOutcome.OK
     assert (report.error, report.residue.paths, report.crash) == (None, (), None)
     workers_up = [stage(report, f"worker {r}", "create_worker") for r in (0, 1)]
@@ -296,7 +297,9 @@ def test_bring_up_maps_workers_first_then_the_scheduler_and_leaves_nothing(
 def test_injected_raise_reports_the_error_the_cleanup_in_order_and_no_residue(
     engine_id: str, root: Path
 ) -> None:
-    report = bring_up(make_config(engine_id, root, TIERING, world_size=2, tiers=2), fail_at=["secondary.1"])
+    report = bring_up(
+        BringUpRequest(make_config(engine_id, root, TIERING, world_size=2, tiers=2), fail_at=["secondary.1"])
+    )
     assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.error is not None
     assert (report.error.type, report.error.injected, report.error.point) == (
@@ -322,7 +325,9 @@ def test_a_fault_aimed_at_one_worker_fails_the_engine_and_its_peer_is_torn_down(
     engine_id: str, root: Path
 ) -> None:
     """CPU spec: worker 1 fails after the barrier, so worker 0 is up and the parent shuts it down."""
-    report = bring_up(make_config(engine_id, root, CPU, world_size=2), fail_at=["worker"], target_rank=1)
+    report = bring_up(
+        BringUpRequest(make_config(engine_id, root, CPU, world_size=2), fail_at=["worker"], target_rank=1)
+    )
     assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert stage(report, "worker 0", "create_worker").result == "ok"
     assert stage(report, "worker 1", "create_worker").result == "failed"
@@ -338,7 +343,9 @@ def test_a_tiering_worker_may_see_its_creator_fail_and_the_contract_still_holds(
     """Tiering has no barrier: if worker 1 won the creation and then fails, worker 0 may be
     joining at that moment and fail with CreatorFailedError, or be up and be shut down.
     Either way the injected fault is the reported error and nothing is left."""
-    report = bring_up(make_config(engine_id, root, TIERING, world_size=2), fail_at=["worker"], target_rank=1)
+    report = bring_up(
+        BringUpRequest(make_config(engine_id, root, TIERING, world_size=2), fail_at=["worker"], target_rank=1)
+    )
     assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.error is not None
     assert (report.error.participant, report.error.point) == ("worker 1", "worker")
@@ -358,10 +365,12 @@ def test_a_worker_failing_before_the_barrier_releases_its_peer_instead_of_hangin
     """Worker 1 fails before it ever maps the region, so it never reaches the CPU spec's barrier;
     the parent aborts the barrier and worker 0 fails fast (BrokenBarrierError) and cleans up."""
     report = bring_up(
-        make_config(engine_id, root, CPU, world_size=2),
-        fail_at=["validate"],
-        target_rank=1,
-        idle_timeout_s=100,  # a peer left hanging waits 100 s in the barrier; released, seconds
+        BringUpRequest(
+            make_config(engine_id, root, CPU, world_size=2),
+            fail_at=["validate"],
+            target_rank=1,
+            idle_timeout_s=100,  # a peer left hanging waits 100 s in the barrier; released, seconds
+        )
     )
     assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.error is not None
@@ -378,7 +387,9 @@ def test_a_worker_failing_before_the_barrier_releases_its_peer_instead_of_hangin
 def test_cleanup_raise_fails_every_release_step_and_the_contract_still_holds(
     engine_id: str, root: Path
 ) -> None:
-    report = bring_up(make_config(engine_id, root, TIERING), fail_at=["manager"], fail_mode="cleanup-raise")
+    report = bring_up(
+        BringUpRequest(make_config(engine_id, root, TIERING), fail_at=["manager"], fail_mode="cleanup-raise")
+    )
     assert report.verdict is BringUpOutcome.CONTRACT_HELD
     failed_steps = [c for c in report.cleanup if not c.ok]
     assert failed_steps
@@ -387,7 +398,7 @@ def test_cleanup_raise_fails_every_release_step_and_the_contract_still_holds(
 
 
 def test_a_fault_at_a_cleanup_point_fails_the_shutdown_not_the_init(engine_id: str, root: Path) -> None:
-    report = bring_up(make_config(engine_id, root, CPU), fail_at=["cleanup.region"])
+    report = bring_up(BringUpRequest(make_config(engine_id, root, CPU), fail_at=["cleanup.region"]))
     assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.error is not None
     assert (report.error.stage, report.error.point) == ("shutdown", "cleanup.region")
@@ -397,7 +408,9 @@ def test_a_fault_at_a_cleanup_point_fails_the_shutdown_not_the_init(engine_id: s
 
 def test_oserror_mode_injects_that_errno(engine_id: str, root: Path) -> None:
     report = bring_up(
-        make_config(engine_id, root, CPU), fail_at=["region.populate"], fail_mode="oserror:EFAULT"
+        BringUpRequest(
+            make_config(engine_id, root, CPU), fail_at=["region.populate"], fail_mode="oserror:EFAULT"
+        )
     )
     assert report.error is not None
     assert (report.error.type, report.error.errno, report.error.injected) == ("OSError", 14, True)
@@ -412,7 +425,7 @@ def test_a_broken_cleanup_is_caught_by_the_residue_check(
     only the worker's release (its creator unlink) could remove it: the check must see it."""
     config = make_config(engine_id, root, TIERING)
     monkeypatch.setenv("KVOFFLOAD_INIT_SKIP_RELEASE", "worker")
-    report = bring_up(config, fail_at=["scheduler.region"])
+    report = bring_up(BringUpRequest(config, fail_at=["scheduler.region"]))
     assert report.verdict is BringUpOutcome.LEAKED
     assert report.residue.paths == (region_file(config),)
     assert report.residue.bytes == config.sizing.total_bytes
@@ -421,7 +434,7 @@ def test_a_broken_cleanup_is_caught_by_the_residue_check(
 
 
 def test_without_the_switch_the_same_failure_leaves_nothing(engine_id: str, root: Path) -> None:
-    report = bring_up(make_config(engine_id, root, TIERING), fail_at=["scheduler.region"])
+    report = bring_up(BringUpRequest(make_config(engine_id, root, TIERING), fail_at=["scheduler.region"]))
     assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.residue.paths == ()
 
@@ -433,7 +446,7 @@ def test_crash_at_secondary_leaves_the_region_that_scan_calls_orphaned_and_reap_
     engine (here: the scheduler dies at ``secondary``, the parent SIGKILLs the workers) leaves
     the region. With kvoffload's lifetime the path is already gone by then (next test)."""
     config = make_config(engine_id, root, TIERING, world_size=2, lifetime="vllm")
-    report = bring_up(config, fail_at=["secondary"], fail_mode="crash")
+    report = bring_up(BringUpRequest(config, fail_at=["secondary"], fail_mode="crash"))
     assert report.verdict is BringUpOutcome.ORPHANED
     assert report.crash is not None
     assert (report.crash.participant, report.crash.injected, report.crash.exit_code) == (
@@ -455,7 +468,9 @@ def test_crash_at_secondary_leaves_the_region_that_scan_calls_orphaned_and_reap_
 
 def test_crash_after_everyone_attached_leaves_nothing_with_our_lifetime(engine_id: str, root: Path) -> None:
     report = bring_up(
-        make_config(engine_id, root, TIERING, world_size=2), fail_at=["secondary"], fail_mode="crash"
+        BringUpRequest(
+            make_config(engine_id, root, TIERING, world_size=2), fail_at=["secondary"], fail_mode="crash"
+        )
     )
     assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.crash is not None
@@ -474,7 +489,7 @@ def test_hold_keeps_the_engine_live_for_scan_until_released(engine_id: str, root
         }
         seen.append((live, statuses))
 
-    report = bring_up(config, hold=look, hold_s=0.2, roundtrip=False)
+    report = bring_up(BringUpRequest(config, hold=look, hold_s=0.2, roundtrip=False))
     [(live, statuses)] = seen
     assert set(live.pids) == {"worker 0", "scheduler"}
     assert live.files == (region_file(config),)
@@ -487,7 +502,7 @@ def test_hold_keeps_the_engine_live_for_scan_until_released(engine_id: str, root
 def test_progress_reports_populated_bytes_per_participant(engine_id: str, root: Path) -> None:
     events: list[Any] = []
     config = make_config(engine_id, root, TIERING)
-    bring_up(config, progress=events.append, roundtrip=False)
+    bring_up(BringUpRequest(config, roundtrip=False), progress=events.append)
     last = {(e.participant, e.stage): (e.done, e.total) for e in events}
     total = config.sizing.total_bytes
     assert last[("scheduler", "get_manager")] == (total, total)
@@ -549,11 +564,13 @@ def test_a_probabilistic_fault_is_replayed_by_its_seed(fires: bool, engine_id: s
     config = make_config(engine_id, root, CPU)
     reports = [
         bring_up(
-            dataclasses.replace(config, engine_id=f"{engine_id}-{i}"),
-            fail_at=["worker"],
-            fail_mode="50%raise",
-            seed=seed,
-            roundtrip=False,
+            BringUpRequest(
+                dataclasses.replace(config, engine_id=f"{engine_id}-{i}"),
+                fail_at=["worker"],
+                fail_mode="50%raise",
+                seed=seed,
+                roundtrip=False,
+            )
         )
         for i in range(2)
     ]

@@ -40,7 +40,7 @@ import pytest
 
 import kvoffload.tiering
 from kvoffload import faults
-from kvoffload.bringup import BringUpOutcome, bring_up, run_matrix
+from kvoffload.bringup import BringUpOutcome, BringUpRequest, bring_up, run_matrix
 from kvoffload.bringup.plan import plan_stages
 from kvoffload.bringup.residue import Footprint, left_running
 from kvoffload.config import PAGESIZE, OffloadingSettings
@@ -386,13 +386,13 @@ def test_a_failing_release_step_still_stops_the_tiers_thread_and_socket(
 
 
 def test_a_bring_up_with_the_socket_tier_leaves_nothing(engine_id: str, root: Path) -> None:
-    report = bring_up(socket_tier_config(engine_id, root))
+    report = bring_up(BringUpRequest(socket_tier_config(engine_id, root)))
     assert report.verdict == BringUpOutcome.OK, report.errors
     assert not any("thread and socket" in s.what for s in report.cleanup)
 
 
 def test_a_bring_up_whose_tier_keeps_its_thread_and_socket_is_leaked(engine_id: str, root: Path) -> None:
-    report = bring_up(socket_tier_config(engine_id, root, leak=True))
+    report = bring_up(BringUpRequest(socket_tier_config(engine_id, root, leak=True)))
     assert report.verdict == BringUpOutcome.LEAKED
     assert not report.residue
     [step] = [s for s in report.cleanup if s.what == "stop every thread and socket started since init"]
