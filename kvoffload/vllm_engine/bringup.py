@@ -1,9 +1,9 @@
-"""Moved to ``kvoffload.bringup.vllm_engine`` (issue #29).
+"""Moved to ``kvoffload.bringup.vllm_engine``, ``vllm_inputs`` and ``vllm_evidence`` (issue #29).
 
 ``kvoffload.vllm_engine.bringup`` re-exports its public names for one release; new code
 imports them from their new home. ``bring_up_vllm`` here keeps its old signature (the
-request's fields as keywords) and calls ``kvoffload.bringup.vllm_engine.bring_up_vllm`` with
-one ``BringUpRequest``. (This package keeps what a vLLM engine loads: ``specs``,
+request's fields as keywords) and calls ``kvoffload.bringup.bring_up_vllm`` with one
+``BringUpRequest``. (``kvoffload.vllm_engine`` keeps what a vLLM engine loads: ``specs``,
 ``translate``, ``child``.)
 """
 
@@ -20,10 +20,13 @@ from kvoffload.bringup.report import InitReport
 from kvoffload.bringup.request import DEFAULT_IDLE_TIMEOUT_S, BringUpRequest, LiveEngine
 
 #: Moved to kvoffload.bringup.vllm_engine; kept here for one release (issue #29).
-from kvoffload.bringup.vllm_engine import (
-    CLIENT,
-    DEFAULT_START_TIMEOUT_S,
-    SETTLE_S,
+from kvoffload.bringup.vllm_engine import DEFAULT_START_TIMEOUT_S, SETTLE_S
+
+#: Moved to kvoffload.bringup.vllm_evidence; kept here for one release (issue #29).
+from kvoffload.bringup.vllm_evidence import CLIENT
+
+#: Moved to kvoffload.bringup.vllm_inputs; kept here for one release (issue #29).
+from kvoffload.bringup.vllm_inputs import (
     check_vllm_target,
     engine_kv_transfer_config,
     model_kv_bytes_per_block,
@@ -33,8 +36,8 @@ from kvoffload.bringup.vllm_engine import (
 from kvoffload.config import OffloadingSettings
 
 
-#: Moved to kvoffload.bringup.vllm_engine.bring_up_vllm, which takes a BringUpRequest; this
-#: signature is kept here for one release (issue #29).
+#: Moved to kvoffload.bringup.bring_up_vllm, which takes a BringUpRequest; this signature is
+#: kept here for one release (issue #29).
 def bring_up_vllm(
     config: OffloadingSettings,
     *,
@@ -51,7 +54,7 @@ def bring_up_vllm(
     settle_s: float = SETTLE_S,
     command: Sequence[str] | None = None,
 ) -> InitReport:
-    """``kvoffload.bringup.vllm_engine.bring_up_vllm`` with the request's fields as keywords."""
+    """``kvoffload.bringup.bring_up_vllm`` with the request's fields as keywords."""
     request = BringUpRequest(
         config,
         fail_at=fail_at,

@@ -205,7 +205,7 @@ def init(
     check_world_size(world_size)
     model_dir: str | None = None
     if engine_kind == "vllm":
-        from kvoffload.bringup.vllm_engine import model_kv_bytes_per_block, vllm_usage
+        from kvoffload.bringup.vllm_inputs import model_kv_bytes_per_block, vllm_usage
 
         vllm_usage(model=model, kv_bytes_per_block=kv_bytes_per_block, matrix=matrix)
         model_dir, model = model, None

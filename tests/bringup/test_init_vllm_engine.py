@@ -25,7 +25,7 @@ import pytest
 
 from kvoffload import faults
 from kvoffload.bringup import BringUpOutcome, BringUpRequest, bring_up_vllm
-from kvoffload.bringup.vllm_engine import engine_kv_transfer_config, model_kv_bytes_per_block
+from kvoffload.bringup.vllm_inputs import engine_kv_transfer_config, model_kv_bytes_per_block
 from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError
 from shmctl.app import main

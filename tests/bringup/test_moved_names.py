@@ -28,7 +28,12 @@ MOVED = {
     "kvoffload.engine.matrix": ("kvoffload.bringup.matrix",),
     "kvoffload.engine.report": ("kvoffload.bringup.report", "kvoffload.bringup.residue"),
     "kvoffload.engine.bringup": ("kvoffload.bringup.kvoffload_engine", "kvoffload.bringup.request"),
-    "kvoffload.vllm_engine.bringup": ("kvoffload.bringup.vllm_engine", "kvoffload.bringup.request"),
+    "kvoffload.vllm_engine.bringup": (
+        "kvoffload.bringup.vllm_engine",
+        "kvoffload.bringup.vllm_inputs",
+        "kvoffload.bringup.vllm_evidence",
+        "kvoffload.bringup.request",
+    ),
     "kvoffload.tiering.guards": ("kvoffload.tiering.hosted_wrappers",),
 }
 #: Names whose old form differs from the new one on purpose: the old signatures and the old name.
