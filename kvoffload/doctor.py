@@ -392,7 +392,7 @@ def check_root(facts: RootFacts) -> Check:
 
 def planned_from_config(config: OffloadingSettings, source: str) -> PlannedRegion:
     """The region ``config`` would allocate, sized by the same plan ``shmctl init --dry-run`` prints."""
-    from kvoffload.engine.plan import plan
+    from kvoffload.bringup.plan import plan
 
     the_plan = plan(config)
     return PlannedRegion(
@@ -417,7 +417,7 @@ def planned_from_files(
     files = list(files)
     if not files:
         return []
-    from kvoffload.engine.inputs import load_config
+    from kvoffload.bringup.inputs import load_config
 
     planned = []
     for file in files:
@@ -475,7 +475,7 @@ def check_space(facts: RootFacts, planned: Sequence[PlannedRegion]) -> Check:
         )
     need = f"{len(regions)} planned region(s) need {_amount(needed)} ({_regions_text(regions)})"
     if needed > facts.free_bytes:
-        from kvoffload.engine.plan import check_capacity
+        from kvoffload.bringup.plan import check_capacity
 
         # The plan's own remedy (--shm-size, sizeLimit, remount, a lower cpu_bytes_to_use):
         # the same words init --dry-run and a real bring-up print.

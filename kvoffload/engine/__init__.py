@@ -1,22 +1,33 @@
-"""``shmctl init`` as a library: plan a bring-up, run it in real processes, run a fault matrix.
+"""Moved to ``kvoffload.bringup`` (issue #29).
 
-* ``plan(config) -> InitPlan``: files, slot layout, tiers, stages and a capacity
-  pre-flight of the root; allocates nothing.
-* ``bring_up(config, ...) -> InitReport``: world_size worker processes and a scheduler
-  process in vLLM's order, an optional store/load round trip, a fault at a chosen stage,
-  a graceful teardown and a residue check.
-* ``run_matrix(config, ...) -> MatrixReport``: every stage x every mode, one bring-up per
-  cell with fresh participant processes, crash cells followed by a scan and a reap.
-
-Submodules import lazily what they need (multiprocessing, torch), so importing this
-package stays cheap.
+``kvoffload.engine`` re-exports its public names for one release; new code imports
+them from their new home.
 """
 
-from kvoffload.engine.bringup import SKIP_RELEASE_ENV, LiveEngine, ProgressEvent, bring_up
-from kvoffload.engine.faultplan import FailMode, Target, build_fault_plan, parse_target
-from kvoffload.engine.matrix import DEFAULT_MODES, run_matrix
-from kvoffload.engine.plan import InitPlan, plan
-from kvoffload.engine.report import InitReport, MatrixCell, MatrixReport, Verdict
+#: Moved to kvoffload.bringup; kept here for one release (issue #29).
+from kvoffload.bringup import (
+    DEFAULT_MODES,
+    SKIP_RELEASE_ENV,
+    FailMode,
+    InitPlan,
+    InitReport,
+    LiveEngine,
+    MatrixCell,
+    MatrixReport,
+    ProgressEvent,
+    Target,
+    build_fault_plan,
+    parse_target,
+    plan,
+    run_matrix,
+)
+
+#: kvoffload.bringup.bring_up takes a BringUpRequest; the old signature is kept here for one
+#: release (issue #29).
+from kvoffload.engine.bringup import bring_up
+
+#: Renamed kvoffload.bringup.BringUpOutcome; kept here for one release (issue #29).
+from kvoffload.engine.report import Verdict
 
 __all__ = [
     "DEFAULT_MODES",

@@ -24,7 +24,7 @@ Invariants:
   vllm.v1.kv_offload.x`` (which would bind vLLM's copy through the ``vllm`` package) is
   refused at import instead of silently mixing the two;
 * vLLM's tree is only read: no bytecode is written next to its sources;
-* each hosted module is guarded as it is executed (``kvoffload.tiering.guards``): named
+* each hosted module is guarded as it is executed (``kvoffload.tiering.hosted_wrappers``): named
   fault points at the tiers' stages, and what a failed constructor or shutdown had built
   released (vLLM 0.33 leaks it).
 """
@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvoffload.tiering import guards
+from kvoffload.tiering import hosted_wrappers
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -137,7 +137,7 @@ class HostedSourceLoader(importlib.machinery.SourceFileLoader):
     def exec_module(self, module: types.ModuleType) -> None:
         module.__dict__["__builtins__"] = _HOSTED_BUILTINS
         super().exec_module(module)
-        guards.apply(module)
+        hosted_wrappers.apply(module)
 
     def set_data(self, path: str, data: Buffer, *, _mode: int = 0o666) -> None:
         """No bytecode cache: vLLM's tree is read, never written."""

@@ -15,7 +15,6 @@ was not injected, a matrix cell failed, the matrix stopped early or its root can
 one cell; 130 Ctrl-C.
 """
 
-import functools
 from pathlib import Path
 from typing import Annotated
 
@@ -191,10 +190,10 @@ def init(
     json_output: JsonOption = False,
 ) -> None:
     """Plan, bring up and tear down CPU KV offload the way vLLM does, with faults at any stage."""
-    from kvoffload import engine
+    from kvoffload import bringup
+    from kvoffload.bringup.inputs import load_config
+    from kvoffload.bringup.plan import check_world_size
     from kvoffload.durations import parse_duration
-    from kvoffload.engine.inputs import load_config
-    from kvoffload.engine.plan import check_world_size
     from kvoffload.errors import ConfigError
     from shmctl.exit import ExitStatus
     from shmctl.render import init as render
@@ -206,7 +205,7 @@ def init(
     check_world_size(world_size)
     model_dir: str | None = None
     if engine_kind == "vllm":
-        from kvoffload.vllm_engine.bringup import model_kv_bytes_per_block, vllm_usage
+        from kvoffload.bringup.vllm_inputs import model_kv_bytes_per_block, vllm_usage
 
         vllm_usage(model=model, kv_bytes_per_block=kv_bytes_per_block, matrix=matrix)
         model_dir, model = model, None
@@ -222,7 +221,7 @@ def init(
         root=root,
         lifetime="vllm" if lifetime == "vllm" else "kvoffload",
     )
-    target = engine.parse_target(rank)
+    target = bringup.parse_target(rank)
     modes = fail_mode or []
     if not matrix and len(modes) > 1:
         raise ConfigError("--fail-mode", "give one mode (several only with --matrix)")
@@ -238,8 +237,8 @@ def init(
         render.warnings(config.warnings)
 
     if dry_run:
-        the_plan = engine.plan(config)
-        engine.build_fault_plan(the_plan, fail_at or (), modes[0] if modes else "raise", target, seed)
+        the_plan = bringup.plan(config)
+        bringup.build_fault_plan(the_plan, fail_at or (), modes[0] if modes else "raise", target, seed)
         if fail_at:
             render.dry_run_injects_nothing(fail_at)
         render.plan(the_plan, json_output=json_output)
@@ -247,10 +246,10 @@ def init(
 
     if matrix:
         with render.matrix_progress(json_output=json_output) as on_cell:
-            report = engine.run_matrix(
+            report = bringup.run_matrix(
                 config,
                 stages=fail_at or None,
-                modes=modes or engine.DEFAULT_MODES,
+                modes=modes or bringup.DEFAULT_MODES,
                 include_crash=include_crash,
                 target_rank=target,
                 seed=seed,
@@ -268,23 +267,21 @@ def init(
         starting = f"starting {world_size} worker(s) and the scheduler for engine {config.engine_id}"
     else:
         starting = f"starting vLLM ({model_dir}) with kvoffload's spec for engine {config.engine_id}"
+    request = bringup.BringUpRequest(
+        config,
+        fail_at=fail_at or (),
+        fail_mode=modes[0] if modes else "raise",
+        target_rank=target,
+        seed=seed,
+        roundtrip=roundtrip,
+        hold=render.announce_hold if hold else None,
+        idle_timeout_s=idle_timeout_s,
+    )
     with render.progress(json_output=json_output, starting=starting) as on_progress:
         if model_dir is None:
-            run = functools.partial(engine.bring_up, progress=on_progress)
+            result = bringup.bring_up(request, progress=on_progress)
         else:
-            from kvoffload.vllm_engine.bringup import bring_up_vllm
-
-            run = functools.partial(bring_up_vllm, model=model_dir, start_timeout_s=start_timeout_s)
-        result = run(
-            config,
-            fail_at=fail_at or (),
-            fail_mode=modes[0] if modes else "raise",
-            target_rank=target,
-            seed=seed,
-            roundtrip=roundtrip,
-            hold=render.announce_hold if hold else None,
-            idle_timeout_s=idle_timeout_s,
-        )
+            result = bringup.bring_up_vllm(request, model=model_dir, start_timeout_s=start_timeout_s)
     render.init_report(result, json_output=json_output)
     raise typer.Exit(EXIT_STATUS[str(result.verdict)])
 

@@ -29,15 +29,9 @@ from shmctl.render import (
 )
 
 if TYPE_CHECKING:
-    from kvoffload.engine import InitPlan, InitReport, LiveEngine, MatrixCell, MatrixReport, ProgressEvent
-    from kvoffload.engine.report import (
-        ErrorInfo,
-        KeptFile,
-        MatrixStop,
-        Residue,
-        StageResult,
-        VllmEngineInfo,
-    )
+    from kvoffload.bringup import InitPlan, InitReport, LiveEngine, MatrixCell, MatrixReport, ProgressEvent
+    from kvoffload.bringup.report import ErrorInfo, KeptFile, MatrixStop, StageResult, VllmEngineInfo
+    from kvoffload.bringup.residue import Residue
 
 VERDICT_TEXT = {
     "ok": "up and down cleanly; nothing left behind",

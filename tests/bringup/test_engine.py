@@ -1,5 +1,6 @@
-"""``kvoffload.engine``: the plan allocates nothing, the bring-up runs vLLM's order in real
-processes, and every fault at every stage ends with the cleanup contract checked in the root.
+"""``kvoffload.bringup`` with kvoffload's own participants: the plan allocates nothing, the
+bring-up runs vLLM's order in real processes, and every fault at every stage ends with the
+cleanup contract checked in the root.
 
 Bring-ups run in a private directory of the real /dev/shm tmpfs (``tests.support.procs.shm_dir``)
 with a test-tagged engine id, so a concurrent run elsewhere on the host cannot touch them.
@@ -21,11 +22,21 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingSettings
-from kvoffload.engine import FailMode, LiveEngine, Verdict, bring_up, build_fault_plan, plan, run_matrix
-from kvoffload.engine.inputs import load_config, read_kv_transfer_config
-from kvoffload.engine.plan import CREATOR_ONLY, MAX_WORLD_SIZE, SCHEDULER, WORKER, plan_stages, stage_sides
-from kvoffload.engine.report import ErrorInfo, InitReport, MatrixCell, measure_residue
+from kvoffload.bringup import (
+    BringUpOutcome,
+    BringUpRequest,
+    FailMode,
+    LiveEngine,
+    bring_up,
+    build_fault_plan,
+    plan,
+    run_matrix,
+)
+from kvoffload.bringup.inputs import load_config
+from kvoffload.bringup.plan import CREATOR_ONLY, MAX_WORLD_SIZE, SCHEDULER, WORKER, plan_stages, stage_sides
+from kvoffload.bringup.report import ErrorInfo, InitReport, MatrixCell
+from kvoffload.bringup.residue import measure_residue
+from kvoffload.config import PAGESIZE, OffloadingSettings, read_kv_transfer_config
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault, RootError
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import Status, scan
@@ -244,16 +255,16 @@ def test_capacity_verdict_of_the_dry_run_matches_a_real_attempt(
         "tmpfs",
         4 * MIB,
     )
-    report = bring_up(config, roundtrip=False)
+    report = bring_up(BringUpRequest(config, roundtrip=False))
     assert report.residue.paths == ()
     if fits:
         assert p.capacity.fix is None
-        assert report.verdict is Verdict.OK
+        assert report.verdict is BringUpOutcome.OK
     else:
         assert p.capacity.fix is not None
         assert f"mount -o remount,size=8M {small_tmpfs}" in p.capacity.fix
         assert "cpu_bytes_to_use to at most" in p.capacity.fix
-        assert report.verdict is Verdict.FAILED
+        assert report.verdict is BringUpOutcome.FAILED
         assert report.error is not None
         assert (report.error.type, report.error.injected) == ("InsufficientSpaceError", False)
 
@@ -265,8 +276,8 @@ def test_bring_up_maps_workers_first_then_the_scheduler_and_leaves_nothing(
     engine_id: str, root: Path
 ) -> None:
     config = make_config(engine_id, root, TIERING, world_size=2)
-    report = bring_up(config)
-    assert report.verdict is Verdict.OK
+    report = bring_up(BringUpRequest(config))
+    assert report.verdict is BringUpOutcome.OK
     assert (report.error, report.residue.paths, report.crash) == (None, (), None)
     workers_up = [stage(report, f"worker {r}", "create_worker") for r in (0, 1)]
     manager = stage(report, "scheduler", "get_manager")
@@ -286,8 +297,10 @@ def test_bring_up_maps_workers_first_then_the_scheduler_and_leaves_nothing(
 def test_injected_raise_reports_the_error_the_cleanup_in_order_and_no_residue(
     engine_id: str, root: Path
 ) -> None:
-    report = bring_up(make_config(engine_id, root, TIERING, world_size=2, tiers=2), fail_at=["secondary.1"])
-    assert report.verdict is Verdict.CONTRACT_HELD
+    report = bring_up(
+        BringUpRequest(make_config(engine_id, root, TIERING, world_size=2, tiers=2), fail_at=["secondary.1"])
+    )
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.error is not None
     assert (report.error.type, report.error.injected, report.error.point) == (
         "InjectedFault",
@@ -312,8 +325,10 @@ def test_a_fault_aimed_at_one_worker_fails_the_engine_and_its_peer_is_torn_down(
     engine_id: str, root: Path
 ) -> None:
     """CPU spec: worker 1 fails after the barrier, so worker 0 is up and the parent shuts it down."""
-    report = bring_up(make_config(engine_id, root, CPU, world_size=2), fail_at=["worker"], target_rank=1)
-    assert report.verdict is Verdict.CONTRACT_HELD
+    report = bring_up(
+        BringUpRequest(make_config(engine_id, root, CPU, world_size=2), fail_at=["worker"], target_rank=1)
+    )
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert stage(report, "worker 0", "create_worker").result == "ok"
     assert stage(report, "worker 1", "create_worker").result == "failed"
     assert not [s for s in report.stages if s.participant == "scheduler"]
@@ -328,8 +343,10 @@ def test_a_tiering_worker_may_see_its_creator_fail_and_the_contract_still_holds(
     """Tiering has no barrier: if worker 1 won the creation and then fails, worker 0 may be
     joining at that moment and fail with CreatorFailedError, or be up and be shut down.
     Either way the injected fault is the reported error and nothing is left."""
-    report = bring_up(make_config(engine_id, root, TIERING, world_size=2), fail_at=["worker"], target_rank=1)
-    assert report.verdict is Verdict.CONTRACT_HELD
+    report = bring_up(
+        BringUpRequest(make_config(engine_id, root, TIERING, world_size=2), fail_at=["worker"], target_rank=1)
+    )
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.error is not None
     assert (report.error.participant, report.error.point) == ("worker 1", "worker")
     peer = stage(report, "worker 0", "create_worker")
@@ -348,12 +365,14 @@ def test_a_worker_failing_before_the_barrier_releases_its_peer_instead_of_hangin
     """Worker 1 fails before it ever maps the region, so it never reaches the CPU spec's barrier;
     the parent aborts the barrier and worker 0 fails fast (BrokenBarrierError) and cleans up."""
     report = bring_up(
-        make_config(engine_id, root, CPU, world_size=2),
-        fail_at=["validate"],
-        target_rank=1,
-        idle_timeout_s=100,  # a peer left hanging waits 100 s in the barrier; released, seconds
+        BringUpRequest(
+            make_config(engine_id, root, CPU, world_size=2),
+            fail_at=["validate"],
+            target_rank=1,
+            idle_timeout_s=100,  # a peer left hanging waits 100 s in the barrier; released, seconds
+        )
     )
-    assert report.verdict is Verdict.CONTRACT_HELD
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.error is not None
     assert report.error.participant == "worker 1"
     peer = stage(report, "worker 0", "create_worker")
@@ -368,8 +387,10 @@ def test_a_worker_failing_before_the_barrier_releases_its_peer_instead_of_hangin
 def test_cleanup_raise_fails_every_release_step_and_the_contract_still_holds(
     engine_id: str, root: Path
 ) -> None:
-    report = bring_up(make_config(engine_id, root, TIERING), fail_at=["manager"], fail_mode="cleanup-raise")
-    assert report.verdict is Verdict.CONTRACT_HELD
+    report = bring_up(
+        BringUpRequest(make_config(engine_id, root, TIERING), fail_at=["manager"], fail_mode="cleanup-raise")
+    )
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     failed_steps = [c for c in report.cleanup if not c.ok]
     assert failed_steps
     assert all("injected fault at cleanup." in (c.error or "") for c in failed_steps)
@@ -377,8 +398,8 @@ def test_cleanup_raise_fails_every_release_step_and_the_contract_still_holds(
 
 
 def test_a_fault_at_a_cleanup_point_fails_the_shutdown_not_the_init(engine_id: str, root: Path) -> None:
-    report = bring_up(make_config(engine_id, root, CPU), fail_at=["cleanup.region"])
-    assert report.verdict is Verdict.CONTRACT_HELD
+    report = bring_up(BringUpRequest(make_config(engine_id, root, CPU), fail_at=["cleanup.region"]))
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.error is not None
     assert (report.error.stage, report.error.point) == ("shutdown", "cleanup.region")
     assert stage(report, "worker 0", "create_worker").result == "ok"
@@ -387,11 +408,13 @@ def test_a_fault_at_a_cleanup_point_fails_the_shutdown_not_the_init(engine_id: s
 
 def test_oserror_mode_injects_that_errno(engine_id: str, root: Path) -> None:
     report = bring_up(
-        make_config(engine_id, root, CPU), fail_at=["region.populate"], fail_mode="oserror:EFAULT"
+        BringUpRequest(
+            make_config(engine_id, root, CPU), fail_at=["region.populate"], fail_mode="oserror:EFAULT"
+        )
     )
     assert report.error is not None
     assert (report.error.type, report.error.errno, report.error.injected) == ("OSError", 14, True)
-    assert report.verdict is Verdict.CONTRACT_HELD
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
 
 
 def test_a_broken_cleanup_is_caught_by_the_residue_check(
@@ -402,8 +425,8 @@ def test_a_broken_cleanup_is_caught_by_the_residue_check(
     only the worker's release (its creator unlink) could remove it: the check must see it."""
     config = make_config(engine_id, root, TIERING)
     monkeypatch.setenv("KVOFFLOAD_INIT_SKIP_RELEASE", "worker")
-    report = bring_up(config, fail_at=["scheduler.region"])
-    assert report.verdict is Verdict.LEAKED
+    report = bring_up(BringUpRequest(config, fail_at=["scheduler.region"]))
+    assert report.verdict is BringUpOutcome.LEAKED
     assert report.residue.paths == (region_file(config),)
     assert report.residue.bytes == config.sizing.total_bytes
     assert any("skipped" in c.what and not c.ok for c in report.cleanup)
@@ -411,8 +434,8 @@ def test_a_broken_cleanup_is_caught_by_the_residue_check(
 
 
 def test_without_the_switch_the_same_failure_leaves_nothing(engine_id: str, root: Path) -> None:
-    report = bring_up(make_config(engine_id, root, TIERING), fail_at=["scheduler.region"])
-    assert report.verdict is Verdict.CONTRACT_HELD
+    report = bring_up(BringUpRequest(make_config(engine_id, root, TIERING), fail_at=["scheduler.region"]))
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.residue.paths == ()
 
 
@@ -423,8 +446,8 @@ def test_crash_at_secondary_leaves_the_region_that_scan_calls_orphaned_and_reap_
     engine (here: the scheduler dies at ``secondary``, the parent SIGKILLs the workers) leaves
     the region. With kvoffload's lifetime the path is already gone by then (next test)."""
     config = make_config(engine_id, root, TIERING, world_size=2, lifetime="vllm")
-    report = bring_up(config, fail_at=["secondary"], fail_mode="crash")
-    assert report.verdict is Verdict.ORPHANED
+    report = bring_up(BringUpRequest(config, fail_at=["secondary"], fail_mode="crash"))
+    assert report.verdict is BringUpOutcome.ORPHANED
     assert report.crash is not None
     assert (report.crash.participant, report.crash.injected, report.crash.exit_code) == (
         "scheduler",
@@ -445,9 +468,11 @@ def test_crash_at_secondary_leaves_the_region_that_scan_calls_orphaned_and_reap_
 
 def test_crash_after_everyone_attached_leaves_nothing_with_our_lifetime(engine_id: str, root: Path) -> None:
     report = bring_up(
-        make_config(engine_id, root, TIERING, world_size=2), fail_at=["secondary"], fail_mode="crash"
+        BringUpRequest(
+            make_config(engine_id, root, TIERING, world_size=2), fail_at=["secondary"], fail_mode="crash"
+        )
     )
-    assert report.verdict is Verdict.CONTRACT_HELD
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.crash is not None
     assert report.crash.orphans == ()
     assert report.crash.why_nothing_left is not None
@@ -464,20 +489,20 @@ def test_hold_keeps_the_engine_live_for_scan_until_released(engine_id: str, root
         }
         seen.append((live, statuses))
 
-    report = bring_up(config, hold=look, hold_s=0.2, roundtrip=False)
+    report = bring_up(BringUpRequest(config, hold=look, hold_s=0.2, roundtrip=False))
     [(live, statuses)] = seen
     assert set(live.pids) == {"worker 0", "scheduler"}
     assert live.files == (region_file(config),)
     assert statuses == {region_file(config).name: Status.LIVE}
     assert report.held_s is not None
     assert report.held_s >= 0.2
-    assert report.verdict is Verdict.OK
+    assert report.verdict is BringUpOutcome.OK
 
 
 def test_progress_reports_populated_bytes_per_participant(engine_id: str, root: Path) -> None:
     events: list[Any] = []
     config = make_config(engine_id, root, TIERING)
-    bring_up(config, progress=events.append, roundtrip=False)
+    bring_up(BringUpRequest(config, roundtrip=False), progress=events.append)
     last = {(e.participant, e.stage): (e.done, e.total) for e in events}
     total = config.sizing.total_bytes
     assert last[("scheduler", "get_manager")] == (total, total)
@@ -539,15 +564,17 @@ def test_a_probabilistic_fault_is_replayed_by_its_seed(fires: bool, engine_id: s
     config = make_config(engine_id, root, CPU)
     reports = [
         bring_up(
-            dataclasses.replace(config, engine_id=f"{engine_id}-{i}"),
-            fail_at=["worker"],
-            fail_mode="50%raise",
-            seed=seed,
-            roundtrip=False,
+            BringUpRequest(
+                dataclasses.replace(config, engine_id=f"{engine_id}-{i}"),
+                fail_at=["worker"],
+                fail_mode="50%raise",
+                seed=seed,
+                roundtrip=False,
+            )
         )
         for i in range(2)
     ]
-    expected = Verdict.CONTRACT_HELD if fires else Verdict.NOT_FIRED
+    expected = BringUpOutcome.CONTRACT_HELD if fires else BringUpOutcome.NOT_FIRED
     assert [r.verdict for r in reports] == [expected, expected]
     assert reports[0].fault is not None
     assert reports[0].fault.seed == seed

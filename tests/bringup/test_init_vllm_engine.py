@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
+from kvoffload.bringup import BringUpOutcome, BringUpRequest, bring_up_vllm
+from kvoffload.bringup.vllm_inputs import engine_kv_transfer_config, model_kv_bytes_per_block
 from kvoffload.config import OffloadingSettings
-from kvoffload.engine.report import Verdict
 from kvoffload.errors import ConfigError
-from kvoffload.vllm_engine.bringup import bring_up_vllm, engine_kv_transfer_config, model_kv_bytes_per_block
 from shmctl.app import main
 from tests.support.procs import REPO
 from tests.support.schemas import validate
@@ -172,7 +172,11 @@ def test_rank_that_cannot_be_aimed_through_one_environment_is_refused(
 ) -> None:
     config = settings(root, engine_id, model, TIERING)
     with pytest.raises(ConfigError, match="--rank: with --engine vllm"):
-        bring_up_vllm(config, model=model, fail_at=["validate"], target_rank="scheduler", command=STANDIN)
+        bring_up_vllm(
+            BringUpRequest(config, fail_at=["validate"], target_rank="scheduler"),
+            model=model,
+            command=STANDIN,
+        )
 
 
 def test_the_engines_config_loads_kvoffloads_spec_out_of_tree_in_the_root(
@@ -213,8 +217,10 @@ def test_the_journal_records_each_points_first_firing_and_every_fault(tmp_path: 
 def test_no_fault_is_ok_with_every_stage_and_the_engines_processes(
     root: Path, engine_id: str, model: Path, standin_mode: Any
 ) -> None:
-    report = bring_up_vllm(settings(root, engine_id, model), model=model, command=STANDIN, settle_s=5)
-    assert report.verdict is Verdict.OK
+    report = bring_up_vllm(
+        BringUpRequest(settings(root, engine_id, model)), model=model, command=STANDIN, settle_s=5
+    )
+    assert report.verdict is BringUpOutcome.OK
     assert report.engine == "vllm"
     assert report.vllm is not None
     assert {p.participant for p in report.vllm.processes} == {"client", "scheduler", "worker 0"}
@@ -235,8 +241,10 @@ def test_an_injected_fault_is_reported_with_its_point_and_process_and_the_contra
     root: Path, engine_id: str, model: Path, standin_mode: Any
 ) -> None:
     config = settings(root, engine_id, model)
-    report = bring_up_vllm(config, model=model, fail_at=["region.populate"], command=STANDIN, settle_s=5)
-    assert report.verdict is Verdict.CONTRACT_HELD
+    report = bring_up_vllm(
+        BringUpRequest(config, fail_at=["region.populate"]), model=model, command=STANDIN, settle_s=5
+    )
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.fault is not None
     assert report.fault.fired_in == ("worker 0",)
     assert report.error is not None
@@ -256,9 +264,12 @@ def test_an_oserror_fault_carries_its_errno(
 ) -> None:
     config = settings(root, engine_id, model)
     report = bring_up_vllm(
-        config, model=model, fail_at=["manager"], fail_mode="oserror:EFAULT", command=STANDIN, settle_s=5
+        BringUpRequest(config, fail_at=["manager"], fail_mode="oserror:EFAULT"),
+        model=model,
+        command=STANDIN,
+        settle_s=5,
     )
-    assert report.verdict is Verdict.CONTRACT_HELD
+    assert report.verdict is BringUpOutcome.CONTRACT_HELD
     assert report.error is not None
     assert (report.error.type, report.error.errno, report.error.participant) == ("OSError", 14, "scheduler")
     validate(report_json(report), "init")
@@ -268,8 +279,10 @@ def test_a_process_that_outlives_the_client_is_leaked_and_killed(
     root: Path, engine_id: str, model: Path, standin_mode: Any
 ) -> None:
     standin_mode("leave-process")
-    report = bring_up_vllm(settings(root, engine_id, model), model=model, command=STANDIN, settle_s=2)
-    assert report.verdict is Verdict.LEAKED
+    report = bring_up_vllm(
+        BringUpRequest(settings(root, engine_id, model)), model=model, command=STANDIN, settle_s=2
+    )
+    assert report.verdict is BringUpOutcome.LEAKED
     assert report.vllm is not None
     assert [p.participant for p in report.vllm.processes_left] == ["worker 0"]
     assert not [p for p in report.vllm.processes if running(p.pid)]
@@ -281,9 +294,11 @@ def test_a_region_file_left_after_a_clean_exit_is_residue(
     root: Path, engine_id: str, model: Path, standin_mode: Any
 ) -> None:
     standin_mode("leave-file")
-    report = bring_up_vllm(settings(root, engine_id, model), model=model, command=STANDIN, settle_s=5)
+    report = bring_up_vllm(
+        BringUpRequest(settings(root, engine_id, model)), model=model, command=STANDIN, settle_s=5
+    )
     try:
-        assert report.verdict is Verdict.LEAKED
+        assert report.verdict is BringUpOutcome.LEAKED
         assert [p.name for p in report.residue.paths] == [f"vllm_offload_{engine_id}.mmap"]
         validate(report_json(report), "init")
     finally:
@@ -296,9 +311,13 @@ def test_a_start_past_its_timeout_fails_and_its_process_group_is_killed(
 ) -> None:
     standin_mode("hang")
     report = bring_up_vllm(
-        settings(root, engine_id, model), model=model, command=STANDIN, start_timeout_s=1.0, settle_s=1
+        BringUpRequest(settings(root, engine_id, model)),
+        model=model,
+        command=STANDIN,
+        start_timeout_s=1.0,
+        settle_s=1,
     )
-    assert report.verdict is Verdict.FAILED
+    assert report.verdict is BringUpOutcome.FAILED
     assert report.error is not None
     assert (report.error.type, report.error.stage) == ("TimeoutError", "engine")
     assert report.vllm is not None
@@ -315,12 +334,12 @@ def test_ctrl_c_during_the_start_kills_the_engines_group_and_exits_as_interrupte
     code = (
         "import sys\n"
         "from kvoffload.config import OffloadingSettings\n"
-        "from kvoffload.vllm_engine.bringup import bring_up_vllm\n"
+        "from kvoffload.bringup import BringUpRequest, bring_up_vllm\n"
         "config = OffloadingSettings.from_kv_transfer_config(\n"
         f"    {json.dumps({**CPU, 'engine_id': engine_id})!r},\n"
         f"    worker_kv_bytes_per_block=65536, root={str(root)!r})\n"
         "try:\n"
-        f"    bring_up_vllm(config, model={str(model)!r}, command={STANDIN!r})\n"
+        f"    bring_up_vllm(BringUpRequest(config), model={str(model)!r}, command={STANDIN!r})\n"
         "except KeyboardInterrupt:\n"
         "    sys.exit(130)\n"
     )
@@ -340,7 +359,7 @@ def test_ctrl_c_during_the_start_kills_the_engines_group_and_exits_as_interrupte
 
 
 def test_the_kvoffload_engines_report_says_so(root: Path, engine_id: str) -> None:
-    from kvoffload.engine.report import InitReport
+    from kvoffload.bringup.report import InitReport
 
     fields = {f.name: f.default for f in dataclasses.fields(InitReport)}
     assert fields["engine"] == "kvoffload"
@@ -355,6 +374,6 @@ def test_a_real_engine_comes_up_and_down_with_nothing_left(root: Path, engine_id
     model = REPO / "build" / "vllm-engine" / "model"
     if not (model / "config.json").is_file():
         pytest.skip("no model: make vllm-engine builds one under build/vllm-engine/model")
-    report = bring_up_vllm(settings(root, engine_id, model), model=model)
-    assert report.verdict is Verdict.OK
+    report = bring_up_vllm(BringUpRequest(settings(root, engine_id, model)), model=model)
+    assert report.verdict is BringUpOutcome.OK
     validate(report_json(report), "init")

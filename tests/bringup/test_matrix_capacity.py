@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
+from kvoffload.bringup import FailMode, plan, run_matrix
+from kvoffload.bringup.plan import CapacityError
+from kvoffload.bringup.report import KeptFile, MatrixCell
 from kvoffload.config import PAGESIZE, OffloadingSettings
-from kvoffload.engine import FailMode, plan, run_matrix
-from kvoffload.engine.plan import CapacityError
-from kvoffload.engine.report import KeptFile, MatrixCell
 from kvoffload.liveness.reap import reap_command
 from kvoffload.shm import names
 from shmctl.app import main

@@ -27,9 +27,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from kvoffload.config import PAGESIZE, OffloadingSizing
-from kvoffload.engine.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
-from kvoffload.engine.plan import (
+from kvoffload.bringup.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
+from kvoffload.bringup.plan import (
     Capacity,
     Geometry,
     InitPlan,
@@ -39,12 +38,11 @@ from kvoffload.engine.plan import (
     TierPlan,
     WorkerSlot,
 )
-from kvoffload.engine.report import SCHEMA_VERSION as REPORT_SCHEMA_VERSION
-from kvoffload.engine.report import (
+from kvoffload.bringup.report import SCHEMA_VERSION as REPORT_SCHEMA_VERSION
+from kvoffload.bringup.report import (
     CleanupStep,
     CrashInfo,
     ErrorInfo,
-    HeldHandle,
     InitReport,
     InjectedFaultInfo,
     KeptFile,
@@ -52,10 +50,10 @@ from kvoffload.engine.report import (
     MatrixCell,
     MatrixReport,
     MatrixStop,
-    Residue,
-    ResidueFile,
     StageResult,
 )
+from kvoffload.bringup.residue import HeldHandle, Residue, ResidueFile
+from kvoffload.config import PAGESIZE, OffloadingSizing
 from kvoffload.shm import names
 from kvoffload.shm.mounts import HugePages
 from tests.support.procs import REPO, TEST_TAG, Child, shm_dir

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from kvoffload.bringup.plan import MAX_WORLD_SIZE
+from kvoffload.bringup.residue import measure_residue
 from kvoffload.config import PAGESIZE
-from kvoffload.engine.plan import MAX_WORLD_SIZE
-from kvoffload.engine.report import measure_residue
 from kvoffload.liveness.reap import reap_command
 from kvoffload.shm import mounts, names
 from shmctl.app import main

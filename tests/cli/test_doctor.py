@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from kvoffload import doctor
+from kvoffload.bringup.plan import check_capacity
 from kvoffload.doctor import CheckStatus, LeaseFacts, PlannedRegion, RootFacts
-from kvoffload.engine.plan import check_capacity
 from kvoffload.errors import ConfigError
 from kvoffload.liveness.holders import collect_holders
 from kvoffload.shm import mounts

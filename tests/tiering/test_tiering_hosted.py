@@ -40,12 +40,12 @@ import pytest
 
 import kvoffload.tiering
 from kvoffload import faults
+from kvoffload.bringup import BringUpOutcome, BringUpRequest, bring_up, run_matrix
+from kvoffload.bringup.plan import plan_stages
+from kvoffload.bringup.residue import Footprint, left_running
 from kvoffload.config import PAGESIZE, OffloadingSettings
-from kvoffload.engine import Verdict, bring_up, run_matrix
-from kvoffload.engine.plan import plan_stages
-from kvoffload.engine.report import Footprint, left_running
 from kvoffload.errors import InjectedFault
-from kvoffload.tiering import guards
+from kvoffload.tiering import hosted_wrappers
 from kvoffload.tiering.base import SecondaryTierManager
 from kvoffload.tiering.factory import SecondaryTierFactory, TierModuleNotFoundError
 from kvoffload.tiering.hosted import HOSTED, HostedTierFinder, is_hosted
@@ -232,11 +232,13 @@ def _undo_transport(transport: _Transport) -> None:
 
 def guarded_transport(**spec: Any) -> type[_Transport]:
     """A fresh subclass whose ``__init__`` and ``close`` carry the guards ``spec`` asks for."""
-    init = guards.Guard("GuardedTransport", "__init__", point=spec.get("point"), undo=spec.get("undo"))
-    close = guards.Guard("GuardedTransport", "close", cleanup_point=spec.get("cleanup_point"))
+    init = hosted_wrappers.Guard(
+        "GuardedTransport", "__init__", point=spec.get("point"), undo=spec.get("undo")
+    )
+    close = hosted_wrappers.Guard("GuardedTransport", "close", cleanup_point=spec.get("cleanup_point"))
     methods = {
-        "__init__": guards.guard(_Transport.__init__, init),
-        "close": guards.guard(_Transport.close, close),
+        "__init__": hosted_wrappers.guard(_Transport.__init__, init),
+        "close": hosted_wrappers.guard(_Transport.close, close),
     }
     cls: type[_Transport] = type("GuardedTransport", (_Transport,), methods)
     return cls
@@ -280,16 +282,16 @@ def test_a_cleanup_point_reports_its_failure_after_the_step_ran(footprint: Footp
 def test_guards_refuse_a_hosted_module_without_the_class_they_were_written_for() -> None:
     module = types.ModuleType("kvoffload.tiering.p2p.control.zmq")
     with pytest.raises(ImportError, match=r"has no class ZmqTransport: .* \(vLLM 0\.33\)"):
-        guards.apply(module)
+        hosted_wrappers.apply(module)
 
 
 def test_guards_wrap_each_method_once_and_keep_vllms_function_as_wrapped() -> None:
     module = types.ModuleType("kvoffload.tiering.p2p.control.zmq")
     transport: Any = type("ZmqTransport", (_Transport,), {})
     module.__dict__["ZmqTransport"] = transport
-    guards.apply(module)
+    hosted_wrappers.apply(module)
     first = transport.__init__
-    guards.apply(module)
+    hosted_wrappers.apply(module)
     assert transport.__init__ is first
     assert first.__wrapped__ is _Transport.__init__
     # An inherited method gets its guard on the subclass; the base keeps its own.
@@ -299,7 +301,7 @@ def test_guards_wrap_each_method_once_and_keep_vllms_function_as_wrapped() -> No
 
 def test_every_point_a_guard_fires_is_registered_for_its_tier() -> None:
     registered = {p.name: p.tier for p in faults.REGISTRY}
-    for module, specs in guards.GUARDS.items():
+    for module, specs in hosted_wrappers.GUARDS.items():
         tier = module.split(".")[2]
         for spec in specs:
             for name in (spec.point, spec.cleanup_point):
@@ -384,14 +386,14 @@ def test_a_failing_release_step_still_stops_the_tiers_thread_and_socket(
 
 
 def test_a_bring_up_with_the_socket_tier_leaves_nothing(engine_id: str, root: Path) -> None:
-    report = bring_up(socket_tier_config(engine_id, root))
-    assert report.verdict == Verdict.OK, report.errors
+    report = bring_up(BringUpRequest(socket_tier_config(engine_id, root)))
+    assert report.verdict == BringUpOutcome.OK, report.errors
     assert not any("thread and socket" in s.what for s in report.cleanup)
 
 
 def test_a_bring_up_whose_tier_keeps_its_thread_and_socket_is_leaked(engine_id: str, root: Path) -> None:
-    report = bring_up(socket_tier_config(engine_id, root, leak=True))
-    assert report.verdict == Verdict.LEAKED
+    report = bring_up(BringUpRequest(socket_tier_config(engine_id, root, leak=True)))
+    assert report.verdict == BringUpOutcome.LEAKED
     assert not report.residue
     [step] = [s for s in report.cleanup if s.what == "stop every thread and socket started since init"]
     assert step.participant == "scheduler"
@@ -409,7 +411,7 @@ def test_the_fault_matrix_over_the_socket_tiers_points_leaves_nothing(engine_id:
         modes=("raise", "cleanup-raise"),
     )
     assert [(c.stage, c.mode, c.verdict) for c in report.cells] == [
-        (stage, mode, Verdict.CONTRACT_HELD)
+        (stage, mode, BringUpOutcome.CONTRACT_HELD)
         for stage in ("secondary.0", "manager", "cleanup.secondary.0")
         for mode in ("raise", "cleanup-raise")
     ]
@@ -581,7 +583,7 @@ def test_the_fault_matrix_over_vllms_p2p_tier_leaves_nothing(engine_id: str, roo
     )
     report = run_matrix(config, stages=stages, modes=("raise", "cleanup-raise"))
     assert [(c.stage, c.mode, c.verdict) for c in report.cells] == [
-        (stage, mode, Verdict.CONTRACT_HELD) for stage in stages for mode in ("raise", "cleanup-raise")
+        (stage, mode, BringUpOutcome.CONTRACT_HELD) for stage in stages for mode in ("raise", "cleanup-raise")
     ]
     assert report.leaked == 0
     assert list(root.iterdir()) == []
