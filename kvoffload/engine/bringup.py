@@ -38,7 +38,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvoffload.config import OffloadingSettings
 from kvoffload.engine import participant
 from kvoffload.engine.faultplan import FailMode, FaultPlan, Target, build_fault_plan, markers_only
 from kvoffload.engine.plan import SCHEDULER, WORKER, InitPlan, plan
@@ -58,6 +57,7 @@ from kvoffload.engine.report import (
 )
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.liveness.reap import reap_command
+from kvoffload.settings import OffloadingSettings
 
 #: Test-only switch: ``worker`` or ``scheduler`` exits without releasing what it holds.
 SKIP_RELEASE_ENV = "KVOFFLOAD_INIT_SKIP_RELEASE"

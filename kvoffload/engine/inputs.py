@@ -11,11 +11,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvoffload.config import Lifetime, OffloadingSettings, read_kv_transfer_config
 from kvoffload.errors import ConfigError
+from kvoffload.kv_transfer_config import read_kv_transfer_config
 from kvoffload.presets import PRESETS, get_preset
+from kvoffload.settings import Lifetime, OffloadingSettings
 
-#: read_kv_transfer_config lives in kvoffload.config (the bounded reader); still importable here.
+#: read_kv_transfer_config lives in kvoffload.kv_transfer_config (the bounded reader); still importable here.
 __all__ = ["load_config", "read_kv_transfer_config"]
 
 

@@ -23,7 +23,6 @@ import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
 
-from kvoffload.config import OffloadingSettings
 from kvoffload.engine.bringup import DEFAULT_IDLE_TIMEOUT_S, bring_up, require_torch
 from kvoffload.engine.faultplan import FailMode, Target, build_fault_plan
 from kvoffload.engine.plan import CapacityError, check_capacity, plan, size_text
@@ -38,6 +37,7 @@ from kvoffload.engine.report import (
     measure_residue,
 )
 from kvoffload.errors import ConfigError
+from kvoffload.settings import OffloadingSettings
 
 #: raise, an errno vLLM really met (EFAULT from a full tmpfs, #54002), and failing cleanup.
 DEFAULT_MODES = ("raise", "oserror:EFAULT", "cleanup-raise")

@@ -35,7 +35,6 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from kvoffload import faults
-from kvoffload.config import OffloadingSettings
 from kvoffload.engine.plan import SCHEDULER, WORKER
 from kvoffload.engine.report import (
     CleanupStep,
@@ -48,6 +47,7 @@ from kvoffload.engine.report import (
 )
 from kvoffload.errors import KvOffloadError
 from kvoffload.release import Journal, ReleaseStep
+from kvoffload.settings import OffloadingSettings
 
 T = TypeVar("T")
 

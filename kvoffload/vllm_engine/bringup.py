@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload import faults
-from kvoffload.config import OffloadingSettings
 from kvoffload.engine.bringup import LiveEngine
 from kvoffload.engine.faultplan import FailMode, FaultPlan, Target, build_fault_plan, markers_only
 from kvoffload.engine.plan import SCHEDULER, WORKER, InitPlan, plan
@@ -63,6 +62,7 @@ from kvoffload.engine.report import (
 )
 from kvoffload.errors import ConfigError
 from kvoffload.liveness.reap import reap_command
+from kvoffload.settings import OffloadingSettings
 from kvoffload.vllm_engine import SPEC_MODULE_PATH, SPEC_NAMES
 
 CLIENT = "client"

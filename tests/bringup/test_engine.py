@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.engine import FailMode, LiveEngine, Verdict, bring_up, build_fault_plan, plan, run_matrix
 from kvoffload.engine.inputs import load_config, read_kv_transfer_config
 from kvoffload.engine.plan import CREATOR_ONLY, MAX_WORLD_SIZE, SCHEDULER, WORKER, plan_stages, stage_sides
@@ -30,6 +29,7 @@ from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault, RootErr
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import Status, scan
 from kvoffload.presets import PRESETS, get_preset
+from kvoffload.settings import PAGESIZE, OffloadingSettings
 from kvoffload.shm import names
 from tests.support.procs import uninspectable_pids
 

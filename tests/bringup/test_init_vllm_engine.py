@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.config import OffloadingSettings
 from kvoffload.engine.report import Verdict
 from kvoffload.errors import ConfigError
+from kvoffload.settings import OffloadingSettings
 from kvoffload.vllm_engine.bringup import bring_up_vllm, engine_kv_transfer_config, model_kv_bytes_per_block
 from shmctl.app import main
 from tests.support.procs import REPO
@@ -314,7 +314,7 @@ def test_ctrl_c_during_the_start_kills_the_engines_group_and_exits_as_interrupte
     pidfile = tmp_path / "standin.pid"
     code = (
         "import sys\n"
-        "from kvoffload.config import OffloadingSettings\n"
+        "from kvoffload.settings import OffloadingSettings\n"
         "from kvoffload.vllm_engine.bringup import bring_up_vllm\n"
         "config = OffloadingSettings.from_kv_transfer_config(\n"
         f"    {json.dumps({**CPU, 'engine_id': engine_id})!r},\n"

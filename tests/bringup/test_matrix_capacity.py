@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
-from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.engine import FailMode, plan, run_matrix
 from kvoffload.engine.plan import CapacityError
 from kvoffload.engine.report import KeptFile, MatrixCell
 from kvoffload.liveness.reap import reap_command
+from kvoffload.settings import PAGESIZE, OffloadingSettings
 from kvoffload.shm import names
 from shmctl.app import main
 from tests.support.procs import Child

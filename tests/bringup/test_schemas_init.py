@@ -27,7 +27,6 @@ from typing import Any
 import jsonschema
 import pytest
 
-from kvoffload.config import PAGESIZE, OffloadingSizing
 from kvoffload.engine.plan import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
 from kvoffload.engine.plan import (
     Capacity,
@@ -56,6 +55,7 @@ from kvoffload.engine.report import (
     ResidueFile,
     StageResult,
 )
+from kvoffload.settings import PAGESIZE, OffloadingSizing
 from kvoffload.shm import names
 from kvoffload.shm.mounts import HugePages
 from tests.support.procs import REPO, TEST_TAG, Child, shm_dir

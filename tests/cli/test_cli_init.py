@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from kvoffload.config import PAGESIZE
 from kvoffload.engine.plan import MAX_WORLD_SIZE
 from kvoffload.engine.report import measure_residue
 from kvoffload.liveness.reap import reap_command
+from kvoffload.settings import PAGESIZE
 from kvoffload.shm import mounts, names
 from shmctl.app import main
 from tests.support.mounts import mounted_tmpfs

@@ -40,11 +40,11 @@ import pytest
 
 import kvoffload.tiering
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.engine import Verdict, bring_up, run_matrix
 from kvoffload.engine.plan import plan_stages
 from kvoffload.engine.report import Footprint, left_running
 from kvoffload.errors import InjectedFault
+from kvoffload.settings import PAGESIZE, OffloadingSettings
 from kvoffload.tiering import guards
 from kvoffload.tiering.base import SecondaryTierManager
 from kvoffload.tiering.factory import SecondaryTierFactory, TierModuleNotFoundError
