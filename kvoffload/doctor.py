@@ -55,8 +55,8 @@ from kvoffload.shm import mounts
 from kvoffload.shm.mounts import HugePages
 
 if TYPE_CHECKING:
-    from kvoffload.config import OffloadingSettings
     from kvoffload.liveness.holders import Uninspected
+    from kvoffload.settings import OffloadingSettings
 
 SCHEMA_VERSION = 1
 DEFAULT_ROOT = Path("/dev/shm")

@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvoffload.config import Lifetime, OffloadingSettings, read_kv_transfer_config
 from kvoffload.errors import ConfigError
+from kvoffload.kv_transfer_config import read_kv_transfer_config
 from kvoffload.presets import PRESETS, get_preset
+from kvoffload.settings import Lifetime, OffloadingSettings
 
 
 def load_config(

@@ -37,8 +37,8 @@ from kvoffload.bringup.report import (
 )
 from kvoffload.bringup.request import DEFAULT_IDLE_TIMEOUT_S, BringUpRequest
 from kvoffload.bringup.residue import measure_residue
-from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError
+from kvoffload.settings import OffloadingSettings
 
 #: raise, an errno vLLM really met (EFAULT from a full tmpfs, #54002), and failing cleanup.
 DEFAULT_MODES = ("raise", "oserror:EFAULT", "cleanup-raise")

@@ -38,9 +38,9 @@ from kvoffload import faults
 from kvoffload.bringup.plan import SCHEDULER, WORKER
 from kvoffload.bringup.report import CleanupStep, ErrorInfo, LogLine, StageResult
 from kvoffload.bringup.residue import Footprint, held_handles, left_running
-from kvoffload.config import OffloadingSettings
 from kvoffload.errors import KvOffloadError
 from kvoffload.release import Journal, ReleaseStep
+from kvoffload.settings import OffloadingSettings
 
 T = TypeVar("T")
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingSettings, OffloadingSizing
 from kvoffload.cpu.shared_offload_region import plan_segments
 from kvoffload.errors import ConfigError, RootError
+from kvoffload.settings import PAGESIZE, OffloadingSettings, OffloadingSizing
 from kvoffload.shm import mounts
 from kvoffload.shm.mounts import HugePages, check_huge_pages
 

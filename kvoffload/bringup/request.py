@@ -21,8 +21,8 @@ from pathlib import Path
 
 from kvoffload.bringup.faultplan import FailMode, FaultPlan, Target, build_fault_plan
 from kvoffload.bringup.plan import InitPlan, plan
-from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError
+from kvoffload.settings import OffloadingSettings
 
 #: How long a participant awaited by the parent may send nothing before it is killed.
 DEFAULT_IDLE_TIMEOUT_S = 60.0

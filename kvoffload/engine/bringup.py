@@ -24,7 +24,7 @@ from kvoffload.bringup.report import InitReport
 
 #: Moved to kvoffload.bringup.request; kept here for one release (issue #29).
 from kvoffload.bringup.request import DEFAULT_IDLE_TIMEOUT_S, BringUpRequest, LiveEngine
-from kvoffload.config import OffloadingSettings
+from kvoffload.settings import OffloadingSettings
 
 
 #: Moved to kvoffload.bringup.bring_up, which takes a BringUpRequest; this signature is kept

@@ -8,6 +8,6 @@
 from kvoffload.bringup.inputs import load_config
 
 #: read_kv_transfer_config lives in kvoffload.config (the bounded reader); still importable here.
-from kvoffload.config import read_kv_transfer_config
+from kvoffload.kv_transfer_config import read_kv_transfer_config
 
 __all__ = ["load_config", "read_kv_transfer_config"]

@@ -37,11 +37,11 @@ from kvoffload.base import (
     OffloadingManager,
     OffloadingMetricMetadata,
 )
-from kvoffload.config import Lifetime
 from kvoffload.cpu.gpu_worker import CPUOffloadingWorker
 from kvoffload.cpu.shared_offload_region import SharedOffloadRegion
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.errors import ConfigError, KvOffloadError, ReservedLabelError
+from kvoffload.settings import Lifetime
 from kvoffload.tiering.base import TIER_LABEL, SecondaryTierManager, TieringOffloadingMetrics
 from kvoffload.tiering.factory import SecondaryTierFactory
 from kvoffload.tiering.manager import (

@@ -33,7 +33,7 @@ from kvoffload.bringup.vllm_inputs import (
     require_vllm,
     vllm_usage,
 )
-from kvoffload.config import OffloadingSettings
+from kvoffload.settings import OffloadingSettings
 
 
 #: Moved to kvoffload.bringup.bring_up_vllm, which takes a BringUpRequest; this signature is

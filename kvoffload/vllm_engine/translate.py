@@ -32,9 +32,9 @@ from typing import Any, TypeVar, cast
 
 from kvoffload import base
 from kvoffload import config as kv_config
-from kvoffload.config import Lifetime
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.platforms import Platform, current_platform
+from kvoffload.settings import Lifetime
 
 log = logging.getLogger(__name__)
 

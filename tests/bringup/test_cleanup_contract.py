@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.errors import ConfigError, InjectedFault
+from kvoffload.settings import PAGESIZE, OffloadingSettings
 from kvoffload.tiering.spec import TieringOffloadingSpec
 from tests.conftest import region_fds, region_maps
 

@@ -36,11 +36,12 @@ from kvoffload.bringup.inputs import load_config
 from kvoffload.bringup.plan import CREATOR_ONLY, MAX_WORLD_SIZE, SCHEDULER, WORKER, plan_stages, stage_sides
 from kvoffload.bringup.report import ErrorInfo, InitReport, MatrixCell
 from kvoffload.bringup.residue import measure_residue
-from kvoffload.config import PAGESIZE, OffloadingSettings, read_kv_transfer_config
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault, RootError
+from kvoffload.kv_transfer_config import read_kv_transfer_config
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import Status, scan
 from kvoffload.presets import PRESETS, get_preset
+from kvoffload.settings import PAGESIZE, OffloadingSettings
 from kvoffload.shm import names
 from tests.support.procs import uninspectable_pids
 

@@ -26,8 +26,8 @@ import pytest
 from kvoffload import faults
 from kvoffload.bringup import BringUpOutcome, BringUpRequest, bring_up_vllm
 from kvoffload.bringup.vllm_inputs import engine_kv_transfer_config, model_kv_bytes_per_block
-from kvoffload.config import OffloadingSettings
 from kvoffload.errors import ConfigError
+from kvoffload.settings import OffloadingSettings
 from shmctl.app import main
 from tests.support.procs import REPO
 from tests.support.schemas import validate
@@ -333,7 +333,7 @@ def test_ctrl_c_during_the_start_kills_the_engines_group_and_exits_as_interrupte
     pidfile = tmp_path / "standin.pid"
     code = (
         "import sys\n"
-        "from kvoffload.config import OffloadingSettings\n"
+        "from kvoffload.settings import OffloadingSettings\n"
         "from kvoffload.bringup import BringUpRequest, bring_up_vllm\n"
         "config = OffloadingSettings.from_kv_transfer_config(\n"
         f"    {json.dumps({**CPU, 'engine_id': engine_id})!r},\n"

@@ -24,8 +24,8 @@ import pytest
 from kvoffload.bringup import FailMode, plan, run_matrix
 from kvoffload.bringup.plan import CapacityError
 from kvoffload.bringup.report import KeptFile, MatrixCell
-from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.liveness.reap import reap_command
+from kvoffload.settings import PAGESIZE, OffloadingSettings
 from kvoffload.shm import names
 from shmctl.app import main
 from tests.support.procs import Child

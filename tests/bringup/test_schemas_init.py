@@ -53,7 +53,7 @@ from kvoffload.bringup.report import (
     StageResult,
 )
 from kvoffload.bringup.residue import HeldHandle, Residue, ResidueFile
-from kvoffload.config import PAGESIZE, OffloadingSizing
+from kvoffload.settings import PAGESIZE, OffloadingSizing
 from kvoffload.shm import names
 from kvoffload.shm.mounts import HugePages
 from tests.support.procs import REPO, TEST_TAG, Child, shm_dir

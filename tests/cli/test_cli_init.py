@@ -23,8 +23,8 @@ import pytest
 
 from kvoffload.bringup.plan import MAX_WORLD_SIZE
 from kvoffload.bringup.residue import measure_residue
-from kvoffload.config import PAGESIZE
 from kvoffload.liveness.reap import reap_command
+from kvoffload.settings import PAGESIZE
 from kvoffload.shm import mounts, names
 from shmctl.app import main
 from tests.support.mounts import mounted_tmpfs

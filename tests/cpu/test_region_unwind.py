@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from kvoffload import faults
-from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.cpu.shared_offload_region import SharedOffloadRegion
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.errors import (
@@ -32,6 +31,7 @@ from kvoffload.errors import (
     RootError,
 )
 from kvoffload.release import Journal
+from kvoffload.settings import PAGESIZE, OffloadingSettings
 from kvoffload.shm import names
 from kvoffload.shm.owner import OwnerRecord, write_owner
 from tests.support.procs import write_file

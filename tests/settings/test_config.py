@@ -12,15 +12,9 @@ from typing import Any
 
 import pytest
 
-from kvoffload.config import (
-    MAX_CONFIG_BYTES,
-    MAX_CPU_BYTES,
-    PAGESIZE,
-    OffloadingSettings,
-    OffloadingSizing,
-    read_kv_transfer_config,
-)
 from kvoffload.errors import ConfigError
+from kvoffload.kv_transfer_config import MAX_CONFIG_BYTES, read_kv_transfer_config
+from kvoffload.settings import MAX_CPU_BYTES, PAGESIZE, OffloadingSettings, OffloadingSizing
 
 
 def kv(extra: dict[str, Any], **top: Any) -> str:

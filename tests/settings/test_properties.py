@@ -19,10 +19,10 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from kvoffload import faults
-from kvoffload.config import MAX_CPU_BYTES, OffloadingSettings
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.durations import MAX_DURATION_S, parse_duration
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault
+from kvoffload.settings import MAX_CPU_BYTES, OffloadingSettings
 from kvoffload.shm import names
 from kvoffload.tiering.spec import TieringOffloadingSpec
 from tests.conftest import region_fds

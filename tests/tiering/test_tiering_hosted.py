@@ -43,8 +43,8 @@ from kvoffload import faults
 from kvoffload.bringup import BringUpOutcome, BringUpRequest, bring_up, run_matrix
 from kvoffload.bringup.plan import plan_stages
 from kvoffload.bringup.residue import Footprint, left_running
-from kvoffload.config import PAGESIZE, OffloadingSettings
 from kvoffload.errors import InjectedFault
+from kvoffload.settings import PAGESIZE, OffloadingSettings
 from kvoffload.tiering import hosted_wrappers
 from kvoffload.tiering.base import SecondaryTierManager
 from kvoffload.tiering.factory import SecondaryTierFactory, TierModuleNotFoundError

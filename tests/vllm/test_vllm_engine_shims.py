@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from kvoffload import base
-from kvoffload.config import PAGESIZE
 from kvoffload.cpu.common import CPULoadStoreSpec
 from kvoffload.cpu.manager import CPUOffloadingManager
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.errors import ConfigError
+from kvoffload.settings import PAGESIZE
 from kvoffload.vllm_engine import SPEC_MODULE_PATH, SPEC_NAMES
 from kvoffload.vllm_engine.translate import (
     EngineManager,

@@ -19,17 +19,16 @@ import pytest
 from kvoffload import platforms
 from kvoffload.base import OffloadingSpec
 from kvoffload.config import (
-    PAGESIZE,
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
     OffloadingParallelConfig,
-    OffloadingSettings,
 )
 from kvoffload.cpu.spec import CPUOffloadingSpec
 from kvoffload.errors import ConfigError
 from kvoffload.factory import OffloadingSpecFactory
+from kvoffload.settings import PAGESIZE, OffloadingSettings
 from kvoffload.tiering.spec import TieringOffloadingSpec
 
 
