@@ -710,7 +710,7 @@ def _process_fixes(blind: Sequence[Uninspected], *, complete: bool) -> list[str]
 def check_populate_write() -> Check:
     """Ask the kernel for ``MADV_POPULATE_WRITE`` on one page of shared anonymous memory (shmem,
     as a tmpfs file is), through the probe every region makes on its own mapping."""
-    from kvoffload.cpu.shared_offload_region import probe_populate_write
+    from kvoffload.cpu.prefault import probe_populate_write
 
     kernel = os.uname().release
     try:

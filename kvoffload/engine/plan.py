@@ -22,7 +22,7 @@ from typing import Any
 
 from kvoffload import faults
 from kvoffload.config import PAGESIZE, OffloadingSettings, OffloadingSizing
-from kvoffload.cpu.shared_offload_region import plan_segments
+from kvoffload.cpu.segments import plan_segments
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.shm import mounts
 from kvoffload.shm.mounts import HugePages, check_huge_pages
