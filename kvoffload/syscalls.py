@@ -1,14 +1,21 @@
-"""The Linux calls the standard library does not wrap, through libc: ``renameat2`` and ``statx``.
+"""The Linux calls the standard library does not wrap (or wraps holding the GIL), through libc.
+
+``renameat2`` and ``statx`` for park directories and root identities; ``fstatfs`` for the
+filesystem's type; ``madvise``, ``fallocate`` and a ``MAP_FIXED`` ``mmap`` for the region's
+mapping and its pre-fault, with ``address_of`` to name a mapping's address to them.
 
 Each is looked up once, on first use (``ctypes`` costs start-up time that ``shmctl --help``
-must not pay), and fails as ``OSError`` with the kernel's errno, like ``os``'s own calls.
-A libc without the symbol (musl before 1.2.5 has no ``statx``) gives ``ENOSYS``.
+must not pay: nothing here imports it before a call), and fails as ``OSError`` with the
+kernel's errno, like ``os``'s own calls. A libc without the symbol (musl before 1.2.5 has no
+``statx``) gives ``ENOSYS``. ctypes lets go of the GIL for every call, so threads that call
+them (the pre-fault's) run in parallel.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,9 +34,16 @@ _STX_BTIME = 0x50
 _STX_MNT_ID = 0x90
 _STATX_SIZE = 256
 
+#: ``madvise(2)`` advice (linux/mman.h), where this Python's ``mmap`` does not name it.
+MADV_HUGEPAGE: int = getattr(mmap, "MADV_HUGEPAGE", 14)
+MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+#: ``fallocate(2)`` mode (linux/falloc.h): allocate, keeping the file's size.
+FALLOC_FL_KEEP_SIZE = 0x01
+MAP_FIXED: int = getattr(mmap, "MAP_FIXED", 0x10)
+
 
 @functools.cache
-def _libc_function(name: str, *argtypes: Any) -> Callable[..., int] | None:
+def _libc_function(name: str, *argtypes: Any, restype: Any = None) -> Callable[..., int] | None:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -37,12 +51,20 @@ def _libc_function(name: str, *argtypes: Any) -> Callable[..., int] | None:
     if function is None:
         return None
     function.argtypes = list(argtypes)
-    function.restype = ctypes.c_int
+    function.restype = ctypes.c_int if restype is None else restype
     found: Callable[..., int] = function
     return found
 
 
-def _raise_errno(what: str) -> None:
+def _required(name: str, *argtypes: Any, restype: Any = None) -> Callable[..., int]:
+    """``_libc_function`` for a call every Linux libc has; ``ENOSYS`` should one lack it."""
+    function = _libc_function(name, *argtypes, restype=restype)
+    if function is None:
+        raise OSError(errno.ENOSYS, f"{name} is not in this libc")
+    return function
+
+
+def _raise_errno(what: str | None = None) -> None:
     import ctypes
 
     code = ctypes.get_errno()
@@ -60,6 +82,74 @@ def renameat2(old_dir: int, old: str, new_dir: int, new: str, flags: int = RENAM
         raise OSError(errno.ENOSYS, "renameat2 is not in this libc", old)
     if function(old_dir, os.fsencode(old), new_dir, os.fsencode(new), flags) != 0:
         _raise_errno(old)
+
+
+def madvise(address: int, length: int, advice: int) -> None:
+    """``madvise(2)`` of ``[address, address + length)``.
+
+    Not ``mmap.madvise``: CPython holds the GIL through that call, ctypes lets go of it, so
+    threads that fault pages in with ``MADV_POPULATE_WRITE`` fault in parallel.
+    """
+    import ctypes
+
+    if _required("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(address, length, advice) != 0:
+        _raise_errno()
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    """``fallocate(2)``: unlike ``os.posix_fallocate``, it takes a ``mode`` (``FALLOC_FL_KEEP_SIZE``)."""
+    import ctypes
+
+    function = _required("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if function(fd, mode, offset, length) != 0:
+        _raise_errno()
+
+
+def mmap_fixed(address: int, length: int, prot: int, flags: int, fd: int, offset: int = 0) -> None:
+    """``mmap(2)`` of ``fd`` at exactly ``address`` (``MAP_FIXED`` added to ``flags``).
+
+    Whatever was mapped at ``[address, address + length)`` is replaced: the caller reserved
+    that range itself. Python's ``mmap`` picks its own address, so it cannot do this.
+    """
+    import ctypes
+
+    function = _required(
+        "mmap",
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+        restype=ctypes.c_void_p,
+    )
+    if function(address, length, prot, flags | MAP_FIXED, fd, offset) != address:
+        _raise_errno()
+
+
+def address_of(mapping: mmap.mmap) -> int:
+    """The address of ``mapping``'s first byte, for the calls above."""
+    import ctypes
+
+    # from_buffer exports the mapping; drop the export at once, or close() would refuse.
+    anchor = ctypes.c_char.from_buffer(mapping)
+    address = ctypes.addressof(anchor)
+    del anchor
+    return address
+
+
+def fstatfs_type(fd: int) -> int:
+    """``fstatfs(fd).f_type``: the magic number (linux/magic.h) of the filesystem ``fd`` is on.
+
+    ``os.statvfs`` has no ``f_type``; ``struct statfs`` starts with it (a ``long`` on every
+    Linux ABI), so the first word of the kernel's answer is all that is read.
+    """
+    import ctypes
+
+    buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit ABIs
+    if _required("fstatfs", ctypes.c_int, ctypes.c_void_p)(fd, buffer) != 0:
+        _raise_errno()
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
 
 
 @dataclass(frozen=True, slots=True)

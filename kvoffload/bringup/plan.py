@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload import faults
-from kvoffload.cpu.shared_offload_region import plan_segments
+from kvoffload.cpu.segments import plan_segments
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.settings import PAGESIZE, OffloadingSettings, OffloadingSizing
 from kvoffload.shm import mounts

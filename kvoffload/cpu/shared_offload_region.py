@@ -1,9 +1,10 @@
 """SharedOffloadRegion: the CPU KV-offload region in the shm root, as vLLM 0.33 lays it out.
 
 One engine maps one region, ``{root}/vllm_offload_{engine_id}.mmap`` (plus segment files
-``.mmap.1 ...`` for large regions), shared by every worker and by the tiering scheduler.
-Rows are chunks; a worker of rank r owns bytes ``[r * cpu_page_size, (r+1) * cpu_page_size)``
-of every row; the scheduler side (``rank=None``) maps the whole region.
+``.mmap.1 ...`` for large regions, split as ``kvoffload.cpu.segments`` says), shared by every
+worker and by the tiering scheduler. Rows are chunks; a worker of rank r owns bytes
+``[r * cpu_page_size, (r+1) * cpu_page_size)`` of every row; the scheduler side (``rank=None``)
+maps the whole region.
 
 What we keep from vLLM, byte for byte: the names (the class's constructor, attributes and
 methods, and the module's helpers ``_wait_for_file_size``, ``check_shm_free_space``,
@@ -33,48 +34,48 @@ What we add, because vLLM leaks (issues #51579, #54002, #57303):
   order, and re-raises the original exception; a release step that fails is logged.
 
 Pre-faulting (``populate``) covers what vLLM's participant covers: the whole region, its
-``populate_shard`` share, or a worker's slot of every row. It runs on ``populate_threads``
-threads (default: the CPUs this process may use, shared among the expected participants,
-capped), each walking one contiguous piece in steps with libc's ``madvise``, which lets go of
-the GIL (CPython's ``mmap.madvise`` does not); a thread that is done takes the last steps of
-the others' pieces, so a thread the scheduler holds back does not hold up the walk. On 4 KiB
-pages of a one-file region each step is allocated with ``fallocate(FALLOC_FL_KEEP_SIZE)``
-first (bytes and size kept): the faults then only zero and map. On a region of several files
-a ranked worker starts its walk at its own fraction of the rows, as vLLM does, so workers (and
-their threads) fault different files at once: the kernel serialises page-cache inserts per
-file. On one file of 4 KiB pages every worker starts at row 0, as in vLLM: the slots are
-disjoint and the file's lock is shared anyway. On a tmpfs with huge pages
-(``kvoffload.shm.mounts``) the ranges are widened to whole huge pages (the kernel allocates
-nothing smaller there, so a worker's slot means the huge pages around it; workers start at
-their own fraction of the rows there too, as their widened ranges overlap), and on a
-``huge=advise`` mount the mapping is ``MADV_HUGEPAGE``'d first. A thread that fails stops the
-others; the first error is raised once every thread has returned, so the mapping is never
-unmapped under a running fault.
+``populate_shard`` share, or a worker's slot of every row. The region decides which, and
+whether the creator reserves the files first; ``kvoffload.cpu.prefault`` plans the walk
+(threads, huge pages, where each worker starts) and runs it. A fault that fails because the
+root filled up is raised as ``InsufficientSpaceError``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
-import functools
 import gc
 import logging
 import mmap
 import os
 import stat
 import struct
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvoffload import faults
+from kvoffload import faults, syscalls
 from kvoffload.cpu.host_register import host_unregister
+from kvoffload.cpu.prefault import (
+    PopulateWrite,
+    Progress,
+    Range,
+    advise_huge_pages,
+    allocate_each_step,
+    check_populate_threads,
+    madvise_populate_write,
+    merge_ranges,
+    plan_prefault,
+    prefault_walk,
+    probe_populate_write,
+    reserve_before_faults,
+    round_up,
+    touch_populate_write,
+)
+from kvoffload.cpu.segments import MIN_SEGMENT_BYTES, plan_segments
 from kvoffload.errors import (
     ConfigError,
     CreatorFailedError,
@@ -96,114 +97,19 @@ log = logging.getLogger(__name__)
 
 PAGESIZE = mmap.PAGESIZE
 DEFAULT_ROOT = Path("/dev/shm")
-#: vLLM's minimum segment size: regions under two of these are always one file. Page-cache
-#: inserts are serialised per file, so a file of less is not worth its own walker.
-_MIN_SEGMENT_BYTES = 1 << 30
-MIN_SEGMENT_BYTES = _MIN_SEGMENT_BYTES
+#: vLLM's name for the minimum segment size (``kvoffload.cpu.segments``), read when a region
+#: is made: a test that replaces it here changes how the next region is split.
+_MIN_SEGMENT_BYTES = MIN_SEGMENT_BYTES
 #: Byte-range locks of the attach ledger live here, far past any data offset.
 LEDGER_OFFSET = 1 << 62
-_MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_MADV_HUGEPAGE: int = getattr(mmap, "MADV_HUGEPAGE", 14)
-_FALLOC_FL_KEEP_SIZE = 0x01
-#: fallocate's answers for a filesystem (or a mode) it does not support: faults allocate then.
-_NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
-#: Bytes per step of a populate walk: the most a thread faults before it reports progress and
-#: looks for a stop, and what a thread that is done takes from another's piece. Small enough
-#: that the walk's last step is short (16 MiB of 4 KiB pages: ~15 ms), big enough that the
-#: steps cost nothing next to the faults (64 per GiB).
-_POPULATE_STEP = 16 << 20
-#: A default thread is started only for at least this many bytes to pre-fault.
-_MIN_THREAD_BYTES = 64 << 20
-#: The default thread count's ceiling. Past a few threads the faults of one tmpfs file
-#: contend for its page cache and the memory bandwidth is shared anyway.
-DEFAULT_MAX_POPULATE_THREADS = 8
-MAX_POPULATE_THREADS = 256
-_PROGRESS_INTERVAL_S = 0.1
 _FLOCK_STRUCT = "hhqqi4x"  # struct flock on 64-bit Linux: type, whence, start, len, pid
 
 Lifetime = Literal["kvoffload", "vllm"]
-Progress = Callable[[int, int], None]
 
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One file of the region: the bytes ``[offset, offset + length)`` of the whole."""
-
-    index: int
-    name: str
-    offset: int
-    length: int
-
-
-def plan_segments(
-    engine_id: str,
-    num_chunks: int,
-    row_stride: int,
-    num_segments: int = 1,
-    min_segment_bytes: int | None = None,
-) -> list[Segment]:
-    """Split the region into files exactly as vLLM does.
-
-    Count = min(requested, total // min_segment_bytes); rows per file = ceil(num_chunks /
-    max(1, count)); one file per run of that many rows. Regions under two minimum
-    segments stay one file. ``min_segment_bytes`` defaults to ``_MIN_SEGMENT_BYTES`` as it is now.
-    """
-    if min_segment_bytes is None:
-        min_segment_bytes = _MIN_SEGMENT_BYTES
-    total = num_chunks * row_stride
-    count = min(num_segments, total // min_segment_bytes) if min_segment_bytes > 0 else num_segments
-    rows_per = max(1, -(-num_chunks // max(1, count)))
-    segments = []
-    for index, first_row in enumerate(range(0, max(num_chunks, 1), rows_per)):
-        rows = min(rows_per, num_chunks - first_row)
-        segments.append(
-            Segment(index, names.format_name(engine_id, index), first_row * row_stride, rows * row_stride)
-        )
-    return segments
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def _madvise_populate_write(mm: mmap.mmap, offset: int, length: int) -> None:
-    """Fault ``length`` bytes of ``mm`` from ``offset`` in, writable, with MADV_POPULATE_WRITE.
-
-    Through libc rather than ``mm.madvise``: ctypes lets go of the GIL for the call, so the
-    threads of one participant fault in parallel.
-    """
-    _madvise(_address(mm) + offset, length, _MADV_POPULATE_WRITE)
-
-
-def _fallback_populate_write(mm: mmap.mmap, offset: int, length: int) -> None:
-    """Fault pages in by rewriting one byte per page with itself (content preserved).
-
-    A peer may already have written KV data there, so the page keeps its bytes. A plain loop
-    through a memoryview: the page faults cost ~30x the loop (256 MiB on tmpfs: ~260 ms either
-    way, the loop alone 8 ms), so numpy would buy nothing here but a 73 MB dependency on the
-    CLI's install. One byte at a time keeps the read-to-write window per page short.
-    """
-    with memoryview(mm) as view:
-        for at in range(offset, offset + length, PAGESIZE):
-            view[at] = view[at]
-
-
-PopulateWrite = Callable[[mmap.mmap, int, int], object]
-
-
-def probe_populate_write(mm: mmap.mmap) -> bool:
-    """Does MADV_POPULATE_WRITE work on ``mm`` (Linux >= 5.14)? Faults its first page in.
-
-    False on EINVAL, the kernel's answer for an advice it lacks; any other error is real and
-    propagates. ``shmctl doctor`` asks the same on a page of its own.
-    """
-    try:
-        _madvise_populate_write(mm, 0, PAGESIZE)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        return False
-    return True
+#: vLLM's names for the two ways to pre-fault (``kvoffload.cpu.prefault``), looked up at call
+#: time: a test that replaces one here changes what the next region does.
+_madvise_populate_write: PopulateWrite = madvise_populate_write
+_fallback_populate_write: PopulateWrite = touch_populate_write
 
 
 def _get_populate_write_fn(mm: mmap.mmap) -> PopulateWrite:
@@ -211,7 +117,7 @@ def _get_populate_write_fn(mm: mmap.mmap) -> PopulateWrite:
 
     Probed on the mapping's first page, once per mapping.
     """
-    if probe_populate_write(mm):
+    if probe_populate_write(mm, _madvise_populate_write):
         return _madvise_populate_write
     log.warning("MADV_POPULATE_WRITE is not supported; falling back to per-page writes (slower start)")
     return _fallback_populate_write
@@ -293,277 +199,6 @@ def check_shm_free_space(
         raise InsufficientSpaceError(shm_path, required_bytes, free)
 
 
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Merge sorted, page-aligned (start, end) ranges that touch or overlap."""
-    merged: list[tuple[int, int]] = []
-    for start, end in ranges:
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-Range = tuple[int, int]
-
-
-def widen_to_huge_pages(ranges: Iterable[Range], segments: Sequence[Segment], huge: int) -> list[Range]:
-    """Sorted ``ranges`` grown to the huge pages that hold them, merged.
-
-    Huge pages are aligned within each file, so a range is cut at segment boundaries and
-    widened to multiples of ``huge`` from its segment's start, never past the segment's end
-    (a file's tail shorter than a huge page stays in small pages).
-    """
-    bounds = [(seg.offset, seg.offset + seg.length) for seg in segments]
-    widened: list[Range] = []
-    index = 0  # both are sorted: one pass, however many rows and files
-    for start, end in ranges:
-        while index < len(bounds) and bounds[index][1] <= start:
-            index += 1
-        j = index
-        while j < len(bounds) and bounds[j][0] < end:
-            seg_start, seg_end = bounds[j]
-            first = seg_start + (max(start, seg_start) - seg_start) // huge * huge
-            last = min(seg_end, seg_start + _round_up(min(end, seg_end) - seg_start, huge))
-            if widened and first <= widened[-1][1]:
-                if last > widened[-1][1]:
-                    widened[-1] = (widened[-1][0], last)
-            else:
-                widened.append((first, last))
-            j += 1
-    return widened
-
-
-def rotate(ranges: Sequence[Range], at: int) -> list[Range]:
-    """The walk over sorted ``ranges`` that starts at byte ``at`` and wraps around to the start."""
-    head: list[Range] = []
-    tail: list[Range] = []
-    for start, end in ranges:
-        if end <= at:
-            tail.append((start, end))
-        elif start >= at:
-            head.append((start, end))
-        else:
-            head.append((at, end))
-            tail.append((start, at))
-    return head + tail
-
-
-def split_walk(walk: Sequence[Range], parts: int, granule: int = PAGESIZE) -> list[list[Range]]:
-    """``walk`` cut into at most ``parts`` consecutive pieces of nearly equal bytes.
-
-    The cuts fall every ``share`` bytes into the walk, ``share`` a multiple of ``granule``: on a
-    walk of whole huge pages no two threads fault one huge page. Empty pieces are dropped.
-    """
-    total = sum(end - start for start, end in walk)
-    share = max(granule, _round_up(-(-total // max(1, parts)), granule))
-    pieces: list[list[Range]] = []
-    current: list[Range] = []
-    room = share
-    for start, end in walk:
-        offset = start
-        while offset < end:
-            if room == 0 and len(pieces) < parts - 1:
-                pieces.append(current)
-                current, room = [], share
-            last = len(pieces) >= parts - 1
-            take = end - offset if last else min(end - offset, room)
-            current.append((offset, offset + take))
-            offset += take
-            room = max(0, room - take)
-    pieces.append(current)
-    return [piece for piece in pieces if piece]
-
-
-def default_populate_threads(todo: int, participants: int | None = None, cpus: int | None = None) -> int:
-    """Threads for pre-faulting ``todo`` bytes: this process's CPUs, shared among the
-    ``participants`` that pre-fault at the same time, capped, and one per at least 64 MiB."""
-    if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
-    share = max(1, cpus // max(1, participants or 1))
-    return max(1, min(DEFAULT_MAX_POPULATE_THREADS, share, todo // _MIN_THREAD_BYTES))
-
-
-def check_populate_threads(value: object) -> int | None:
-    """``value`` if it is None (the default) or a thread count in 1..``MAX_POPULATE_THREADS``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_POPULATE_THREADS:
-        raise ConfigError(
-            "populate_threads",
-            f"{value!r} is not a thread count in 1..{MAX_POPULATE_THREADS}",
-            fix="leave it unset for one per CPU this process may use, shared among the participants",
-        )
-    return value
-
-
-@functools.cache
-def _libc(name: str, *argtypes: Any) -> Any:
-    """The libc function ``name``, returning an int; ctypes releases the GIL for each call."""
-    fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    fn.argtypes = list(argtypes)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _check(result: int) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def _madvise(address: int, length: int, advice: int) -> None:
-    """libc ``madvise``: ctypes releases the GIL for the call, so threads fault in parallel."""
-    _check(_libc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(address, length, advice))
-
-
-def _allocate(fd: int, offset: int, length: int) -> None:
-    """Allocate the file's pages in ``[offset, offset + length)``: its bytes and size stay as they are.
-
-    ``fallocate(FALLOC_FL_KEEP_SIZE)``: data already there is kept, holes become zeroed pages,
-    and a file that shrank meanwhile is not grown back (its walk fails as it would without).
-    """
-    fallocate = _libc("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-    _check(fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length))
-
-
-def _address(mm: mmap.mmap) -> int:
-    # from_buffer exports the mapping; drop the export at once, or close() would refuse.
-    anchor = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(anchor)
-    del anchor
-    return address
-
-
-def cut_steps(piece: Sequence[Range], step: int) -> list[list[Range]]:
-    """``piece`` as consecutive steps of at most ``step`` bytes each, in walk order.
-
-    A range longer than a step is cut every ``step`` bytes from its own start (so on a walk of
-    whole huge pages, with ``step`` a multiple of one, every cut falls between huge pages);
-    shorter ranges (a worker's slot of each row) are gathered into one step until it is full.
-    """
-    steps: list[list[Range]] = []
-    current: list[Range] = []
-    room = step
-    for start, end in piece:
-        offset = start
-        while offset < end:
-            if room < step and end - offset > room:
-                steps.append(current)  # a range that does not fit begins a step of its own
-                current, room = [], step
-            take = min(end - offset, room)
-            current.append((offset, offset + take))
-            offset += take
-            room -= take
-            if room == 0:
-                steps.append(current)
-                current, room = [], step
-    if current:
-        steps.append(current)
-    return steps
-
-
-def prefault(
-    pieces: Sequence[Sequence[Range]],
-    fault: Callable[[int, int], None],
-    progress: Progress | None = None,
-    *,
-    granule: int = PAGESIZE,
-) -> None:
-    """Run ``fault(offset, length)`` over every piece in steps, one thread per piece.
-
-    A single piece runs on the calling thread. Each thread walks its own piece from the front;
-    one that is done takes the last step of the piece with the most steps left, and so on until
-    none is left. The scheduler may hold a thread back (another process on its CPU): the walk
-    then waits for the step that thread is in, not for the rest of its piece. Steps are cut on
-    ``granule`` boundaries, so no two threads fault one huge page.
-
-    Progress ``(done, total)`` is reported from the calling thread only (a callback need not be
-    thread-safe), at most every 0.1 s and once at the end, however many small ranges there are.
-    The first exception of any thread stops the others at their next step and is raised once
-    all of them have returned; so is one that interrupts the caller (Ctrl-C) while it waits.
-    """
-    step = _round_up(_POPULATE_STEP, granule)
-    queues = [cut_steps(piece, step) for piece in pieces]
-    # queues[i][fronts[i]:backs[i]] is what piece i has left: its thread takes from the front,
-    # the others from the back. Taking holds the lock for a few list operations per step.
-    fronts = [0] * len(queues)
-    backs = [len(queue) for queue in queues]
-    total = sum(end - start for piece in pieces for start, end in piece)
-    counters = [0] * len(pieces)  # one slot per thread: no lock needed to count
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-    last = {"done": -1, "at": 0.0}
-
-    def report(final: bool = False) -> None:
-        done = sum(counters)
-        now = time.monotonic()
-        if progress is None or done == last["done"] or not (final or now >= last["at"]):
-            return
-        last["done"], last["at"] = done, now + _PROGRESS_INTERVAL_S
-        progress(done, total)
-
-    def take(index: int) -> list[Range] | None:
-        with lock:
-            if fronts[index] < backs[index]:
-                fronts[index] += 1
-                return queues[index][fronts[index] - 1]
-            victim = max(range(len(queues)), key=lambda i: backs[i] - fronts[i])
-            if fronts[victim] < backs[victim]:
-                backs[victim] -= 1
-                return queues[victim][backs[victim]]
-            return None
-
-    def walk(index: int, inline: bool) -> None:
-        while not stop.is_set() and (ranges := take(index)) is not None:
-            for start, end in ranges:
-                if stop.is_set():
-                    return
-                fault(start, end - start)
-                counters[index] += end - start
-                if inline:
-                    report()
-
-    def guarded(index: int) -> None:
-        try:
-            walk(index, inline=False)
-        except BaseException as e:
-            with lock:
-                errors.append(e)
-            stop.set()
-
-    if len(pieces) <= 1:
-        if pieces:
-            walk(0, inline=True)
-        report(final=True)
-        return
-    started: list[threading.Thread] = []
-    try:
-        for index in range(len(pieces)):
-            thread = threading.Thread(
-                target=guarded, args=(index,), name=f"kvoffload-populate-{index}", daemon=True
-            )
-            thread.start()
-            started.append(thread)
-        for thread in started:
-            while thread.is_alive():
-                thread.join(_PROGRESS_INTERVAL_S)
-                if not stop.is_set():
-                    report()
-    finally:
-        # Also on our own interruption: no thread may still fault when the caller unmaps.
-        stop.set()
-        for thread in started:
-            thread.join()
-    if errors:
-        raise errors[0]
-    report(final=True)
-
-
 class SharedOffloadRegion:
     """The shared CPU KV-offload region of one engine (see the module docstring).
 
@@ -621,6 +256,8 @@ class SharedOffloadRegion:
         self.lifetime: Lifetime = lifetime
         self.participant = participant
         self.participants = participants
+        if min_segment_bytes is None:
+            min_segment_bytes = _MIN_SEGMENT_BYTES  # vLLM's name, looked up now (see above)
         self.segments = plan_segments(
             engine_id, num_chunks, kv_bytes_per_chunk, num_segments, min_segment_bytes
         )
@@ -642,7 +279,9 @@ class SharedOffloadRegion:
         self._granule = PAGESIZE
         if populate:
             self._plan_populate(populate_shard, threads, populate)
-        self._reserve = self._should_reserve(populate) if reserve is None else reserve
+        if reserve is None:
+            reserve = reserve_before_faults(populate, self.huge_pages, self.populate_threads)
+        self._reserve = reserve
 
         self._dir_fd = -1
         self._fd = -1
@@ -838,18 +477,7 @@ class SharedOffloadRegion:
         # each segment file over its part (MAP_FIXED), as vLLM does.
         self._mm = mmap.mmap(-1, self.total_bytes, flags=mmap.MAP_PRIVATE, prot=prot)
         undo.callback(self.journal.quietly, f"unmap {self.path.name}", self._close_mapping)
-        base_addr = _address(self._mm)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        map_fixed = getattr(mmap, "MAP_FIXED", 0x10)
+        base_addr = syscalls.address_of(self._mm)
         for seg in self.segments:
             if seg.index == 0:
                 fd = self._fd
@@ -858,11 +486,9 @@ class SharedOffloadRegion:
                 st = os.fstat(fd)
                 self._identities.setdefault(seg.name, (st.st_dev, st.st_ino))
             try:
-                want = base_addr + seg.offset
-                got = libc.mmap(want, seg.length, prot, mmap.MAP_SHARED | map_fixed, fd, 0)
-                if got != want:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"mmap of {seg.name} failed: {os.strerror(err)}")
+                syscalls.mmap_fixed(base_addr + seg.offset, seg.length, prot, mmap.MAP_SHARED, fd, 0)
+            except OSError as e:
+                raise OSError(e.errno, f"mmap of {seg.name} failed: {e.strerror}") from None
             finally:
                 if fd != self._fd:
                     os.close(fd)
@@ -944,7 +570,7 @@ class SharedOffloadRegion:
             row = (first + i) % self.num_chunks
             start = row * self._row_stride + lo
             aligned = start - start % self.page_size
-            yield aligned, _round_up(start + self.cpu_page_size, self.page_size) - aligned
+            yield aligned, round_up(start + self.cpu_page_size, self.page_size) - aligned
 
     def slot_ranges(self) -> list[tuple[int, int]]:
         """Page-aligned (start, end) byte ranges this worker's slots cover, sorted and merged."""
@@ -955,77 +581,39 @@ class SharedOffloadRegion:
     ) -> None:
         """What this participant pre-faults, in which order, on how many threads."""
         if shard is not None:
-            share = _round_up(-(-self.total_bytes // shard[1]), PAGESIZE)
+            share = round_up(-(-self.total_bytes // shard[1]), PAGESIZE)
             start = min(self.total_bytes, shard[0] * share)
             ranges = [(start, min(self.total_bytes, start + share))]
         elif self.rank is not None:
             ranges = self.slot_ranges()
         else:
             ranges = [(0, self.total_bytes)]
-        if self.huge_pages != "never":
-            # The kernel allocates whole huge pages here: faulting a slot's 4 KiB allocates the
-            # 2 MiB around it anyway, so walk those, once each, instead of one call per row.
-            self._granule = mounts.huge_page_size()
-            ranges = widen_to_huge_pages(ranges, self.segments, self._granule)
-        ranges = [(start, end) for start, end in ranges if end > start]
-        todo = sum(end - start for start, end in ranges)
-        if populate == "touch":
-            count = 1  # the per-page touch holds the GIL: threads would only take turns
-        elif threads is not None:
-            count = threads
-        else:
-            count = default_populate_threads(todo, self.participants)
-        self.populate_threads = count
-        walk = ranges
-        if shard is None and self.rank is not None and (len(self.segments) > 1 or self.huge_pages != "never"):
-            # Start on other files than the other workers (page-cache inserts are serialised per
-            # file); on huge pages, also on other huge pages: widened slots of workers overlap.
-            first_row = self._first_walk_row(count)
-            walk = rotate(ranges, first_row * self.row_stride // self._granule * self._granule)
-        self.populate_walk = tuple(walk)
+        huge_page = mounts.huge_page_size() if self.huge_pages != "never" else None
 
-    def _should_reserve(self, populate: bool | str) -> bool:
-        """Reserve with posix_fallocate before sizing, when that costs nothing and defeats nothing.
+        def start_at(walkers: int) -> int:
+            return self._first_walk_row(walkers) * self.row_stride
 
-        Single-threaded, fallocate and then faulting is faster than faulting alone on 4 KiB pages
-        (it allocates in bulk), and a root that fills up meanwhile fails with ENOSPC before any
-        joiner maps the file. But fallocate holds the file's lock and runs on one CPU, while
-        faults from several threads allocate in parallel: with threads it is the bottleneck. And
-        fallocate allocates without a mapping, so on ``huge=advise`` (no MADV_HUGEPAGE reaches it)
-        and on ``huge=within_size`` of kernels that judge a fallocate by the file's size before
-        it (0 at that point) it allocates small pages, which populate then keeps: it would defeat
-        the huge pages it was meant to prepare. ``huge=always`` gives it huge pages on any kernel.
-        """
-        if not populate:
-            return False  # stay sparse like vLLM
-        if self.huge_pages == "always":
-            return True
-        return self.huge_pages == "never" and self.populate_threads <= 1
-
-    def _should_allocate_steps(self) -> bool:
-        """Allocate each step's pages with fallocate before faulting them, where that is cheaper.
-
-        On 4 KiB pages a fault that finds its page allocated only zeroes and maps it, and
-        fallocate allocates in bulk, without page tables: the two cost about a tenth less CPU
-        than faulting alone (bench/bench_region.py's profile). Per step rather than the whole
-        file first, so the threads' faults run while another step is allocated: fallocate
-        holds the file's lock, faults do not. Not where the creator reserved the whole file
-        already, not on a region of several files (one descriptor here), and not on huge pages,
-        where fallocate may allocate small pages that the faults would then keep (see
-        ``_should_reserve``).
-        """
-        if self.huge_pages != "never" or len(self.segments) > 1:
-            return False
-        return not (self.creator and self._reserve)
+        # Start on other files than the other workers (page-cache inserts are serialised per
+        # file); on huge pages, also on other huge pages: widened slots of workers overlap.
+        rotated = (
+            shard is None and self.rank is not None and (len(self.segments) > 1 or self.huge_pages != "never")
+        )
+        plan = plan_prefault(
+            ranges,
+            self.segments,
+            huge_page=huge_page,
+            threads=threads,
+            touch=populate == "touch",
+            participants=self.participants,
+            start_at=start_at if rotated else None,
+        )
+        self.populate_walk, self.populate_threads, self._granule = plan.walk, plan.threads, plan.granule
 
     def _populate(self, progress: Progress | None, method: str | None) -> None:
         assert self._mm is not None
         if self.huge_pages == "advise":
             # huge=advise gives huge pages only to mappings that ask, and only faults after it.
-            try:
-                _madvise(_address(self._mm), self.total_bytes, _MADV_HUGEPAGE)
-            except OSError as e:
-                log.info("MADV_HUGEPAGE on %s refused (%s); pre-faulting 4 KiB pages", self.path, e)
+            advise_huge_pages(self._mm, self.total_bytes, self.path)
         try:
             self._populate_with(progress, method)
         except OSError as e:
@@ -1045,33 +633,19 @@ class SharedOffloadRegion:
         touch = write is _fallback_populate_write
         self.populated_with = "touch" if touch else "madvise"
         if touch:
-            pieces = [list(self.populate_walk)]
             self.populate_threads = 1  # the per-page touch holds the GIL: threads would take turns
-        else:
-            pieces = split_walk(self.populate_walk, self.populate_threads, self._granule)
-        how = "per-page touch" if touch else "MADV_POPULATE_WRITE"
-        allocate = [self._should_allocate_steps()]  # a list: the first refusal turns it off for all
-
-        def fault(offset: int, length: int) -> None:
-            if allocate[0]:
-                try:
-                    _allocate(self._fd, offset, length)
-                except OSError as e:
-                    if e.errno not in _NO_FALLOCATE:
-                        raise OSError(
-                            e.errno,
-                            f"{e.strerror} (fallocate of bytes {offset}..{offset + length})",
-                            str(self.path),
-                        ) from None
-                    allocate[0] = False
-            try:
-                write(mm, offset, length)
-            except OSError as e:
-                raise OSError(
-                    e.errno, f"{e.strerror} ({how} of bytes {offset}..{offset + length})", str(self.path)
-                ) from None
-
-        prefault(pieces, fault, progress, granule=self._granule)
+        allocate = allocate_each_step(self.huge_pages, len(self.segments), self.creator and self._reserve)
+        prefault_walk(
+            mm,
+            self.populate_walk,
+            write,
+            path=self.path,
+            touch=touch,
+            threads=self.populate_threads,
+            granule=self._granule,
+            allocate_fd=self._fd if allocate else None,
+            progress=progress,
+        )
 
     def _space_error(self, error: OSError) -> InsufficientSpaceError | None:
         """The space error a fault really is when the root filled up (vLLM #54002's EFAULT)."""
@@ -1243,7 +817,7 @@ class SharedOffloadRegion:
     def _base_address(self) -> int:
         if self._base_tensor is not None:
             return int(self._base_tensor.data_ptr())
-        return _address(self._mm) if self._mm is not None else 0
+        return syscalls.address_of(self._mm) if self._mm is not None else 0
 
     def _unmap_reporting_faults(self) -> None:
         # Fault point ``cleanup.region``: the step reports a failure, the unmap still happens.
@@ -1333,3 +907,20 @@ class SharedOffloadRegion:
     def __repr__(self) -> str:
         side = "scheduler" if self.rank is None else f"rank {self.rank}"
         return f"SharedOffloadRegion({self.path}, {side}, {self.total_bytes} bytes, creator={self.creator})"
+
+
+#: Moved to kvoffload.cpu.prefault and kvoffload.cpu.segments; kept here for one release (issue
+#: #29), as are the moved names imported above for the region's own use (Progress, Range,
+#: PopulateWrite, merge_ranges, check_populate_threads, probe_populate_write, plan_segments,
+#: MIN_SEGMENT_BYTES).
+from kvoffload.cpu.prefault import (  # noqa: E402, F401
+    DEFAULT_MAX_POPULATE_THREADS,
+    MAX_POPULATE_THREADS,
+    cut_steps,
+    default_populate_threads,
+    prefault,
+    rotate,
+    split_walk,
+    widen_to_huge_pages,
+)
+from kvoffload.cpu.segments import Segment  # noqa: E402, F401

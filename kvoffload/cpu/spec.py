@@ -43,7 +43,8 @@ from kvoffload.config import OffloadingConfig
 from kvoffload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
 from kvoffload.cpu.gpu_worker import CPUOffloadingWorker
 from kvoffload.cpu.manager import CPUOffloadingManager
-from kvoffload.cpu.shared_offload_region import DEFAULT_ROOT, Progress, SharedOffloadRegion
+from kvoffload.cpu.prefault import Progress
+from kvoffload.cpu.shared_offload_region import DEFAULT_ROOT, SharedOffloadRegion
 from kvoffload.platforms import current_platform
 from kvoffload.release import Journal
 from kvoffload.settings import CPU_SPEC_SEGMENTS, Lifetime, OffloadingSettings

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvoffload import syscalls
+
 MOUNTINFO = Path("/proc/self/mountinfo")
 MOUNTS = Path("/proc/self/mounts")
 THP_SYSFS = Path("/sys/kernel/mm/transparent_hugepage")
@@ -335,18 +337,11 @@ _MEMORY_FILESYSTEMS = {TMPFS_MAGIC: "tmpfs", HUGETLBFS_MAGIC: "hugetlbfs"}
 
 
 def filesystem_magic(fd: int) -> int | None:
-    """``fstatfs(fd).f_type``: which filesystem the open file or directory is on; None if unknown.
-
-    ``os.statvfs`` has no ``f_type``; ``struct statfs`` starts with it (a ``long`` on every
-    Linux ABI), so the first word of the kernel's answer is all that is read.
-    """
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit ABIs
-    if libc.fstatfs(fd, buffer) != 0:
+    """``fstatfs(fd).f_type``: which filesystem the open file or directory is on; None if unknown."""
+    try:
+        return syscalls.fstatfs_type(fd)
+    except OSError:
         return None
-    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
 
 
 def memory_filesystem(fd: int) -> str | None:

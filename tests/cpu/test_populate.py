@@ -16,20 +16,19 @@ from typing import Any
 
 import pytest
 
-from kvoffload.cpu.shared_offload_region import (
-    _POPULATE_STEP,
+from kvoffload.cpu.prefault import (
     DEFAULT_MAX_POPULATE_THREADS,
     MAX_POPULATE_THREADS,
-    PAGESIZE,
-    SharedOffloadRegion,
+    POPULATE_STEP,
     cut_steps,
     default_populate_threads,
-    plan_segments,
     prefault,
     rotate,
     split_walk,
     widen_to_huge_pages,
 )
+from kvoffload.cpu.segments import plan_segments
+from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 from kvoffload.errors import ConfigError, InsufficientSpaceError
 from tests.support.hostile import fill_after_the_space_check
 from tests.support.mounts import mounted_tmpfs
@@ -245,7 +244,7 @@ def test_the_first_error_of_a_thread_is_raised_after_every_thread_returned() -> 
 def test_a_thread_that_is_done_takes_the_steps_left_of_a_thread_held_back() -> None:
     # Piece 0's thread is held in its first step until every other step is done: the thread
     # of the short piece 1 must have faulted the rest of piece 0 by then, from its far end.
-    step = _POPULATE_STEP
+    step = POPULATE_STEP
     faulted: dict[int, str] = {}
     rest_done = threading.Event()
 

@@ -13,12 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.cpu.shared_offload_region import (
-    PAGESIZE,
-    SharedOffloadRegion,
-    merge_ranges,
-    plan_segments,
-)
+from kvoffload.cpu.prefault import merge_ranges
+from kvoffload.cpu.segments import plan_segments
+from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 from kvoffload.errors import (
     ConfigError,
     CreatorFailedError,

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvoffload.cpu import prefault
 from kvoffload.cpu import shared_offload_region as module
 from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion, _wait_for_file_size
 from kvoffload.errors import (
@@ -46,7 +47,7 @@ def record_first_faults(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         if calls["n"] == 2:  # the first call is the probe, on the mapping's first page
             firsts.append(offset)
 
-    def probe(mm: mmap.mmap) -> module.PopulateWrite:
+    def probe(mm: mmap.mmap) -> prefault.PopulateWrite:
         calls["n"] = 0
         write(mm, 0, PAGESIZE)
         return write
@@ -89,7 +90,7 @@ def test_the_threads_of_each_worker_start_on_files_no_other_walker_starts_on(
     starts = set()
     for rank in range(2):
         with worker(engine_id, root, rank, **{**files, "populate": True, "populate_threads": 2}) as region:
-            pieces = module.split_walk(region.populate_walk, region.populate_threads)
+            pieces = prefault.split_walk(region.populate_walk, region.populate_threads)
             starts |= {piece[0][0] // region.row_stride // rows_per_file for piece in pieces}
     assert starts == {0, 1, 2, 3}
 
@@ -113,7 +114,7 @@ def test_the_populate_probe_runs_once_for_every_mapping_not_once_per_process(
     probes: list[int] = []
     real = module._get_populate_write_fn
 
-    def counting(mm: mmap.mmap) -> module.PopulateWrite:
+    def counting(mm: mmap.mmap) -> prefault.PopulateWrite:
         probes.append(id(mm))
         return real(mm)
 
@@ -159,7 +160,7 @@ def test_a_participant_that_fails_still_arrives_at_every_barrier_it_owes(
     arrivals: list[bool] = []
     path = root / f"vllm_offload_{engine_id}.mmap"
 
-    def fail(mm: mmap.mmap) -> module.PopulateWrite:
+    def fail(mm: mmap.mmap) -> prefault.PopulateWrite:
         raise ValueError("probe failed")
 
     monkeypatch.setattr(module, "_get_populate_write_fn", fail)

@@ -1,35 +1,15 @@
-"""Is this node ready for shmctl and vLLM's KV offload? One verdict per check, each with its fix.
+"""``shmctl doctor``'s checks: one verdict per check, with the finding in exact figures and the fix.
 
-``diagnose(root)`` answers what an operator asks before trusting ``scan`` and ``reap`` or
-starting an engine with CPU offload, in this order:
+Each ``check_*`` takes its facts (``kvoffload.doctor.facts``) or gathers them itself, and
+returns a ``Check``: its name, a status word, a one-line finding, the fix where there is one,
+and the facts it was decided on. The words mean: ``ok``; ``warn``: shmctl works, with less
+certainty, speed or room than it could have; ``fail``: something will not work (a region does
+not fit or would not be in memory, reap can prove nothing, the textfile cannot be written);
+``skip``: nothing to check (no plan given, no textfile directory, leases off).
 
-* ``root``: is the root on a memory filesystem (tmpfs, hugetlbfs), writable, how big, how
-  full (``statvfs``, exact bytes), against the node's memory (``/proc/meminfo``);
-* ``space``: do the planned regions fit (``--plan`` sized as ``shmctl init --dry-run`` sizes
-  them, or ``--need BYTES``), with the plan's own fix when they do not;
-* ``huge-pages``: does the root's mount back regions with huge pages (the mount's ``huge=``
-  and ``shmem_enabled``); the fix is the one ``init --dry-run`` prints;
-* ``leases``: ``fs.leases-enable`` and ``fs.lease-break-time``;
-* ``cap-lease``: ``CAP_LEASE`` in the effective set (a lease on other users' files);
-* ``processes``: can the fds and maps of every process be read, and does this ``/proc``
-  show every process: the same pass ``scan`` makes;
-* ``populate-write``: does the kernel pre-fault with ``MADV_POPULATE_WRITE`` (Linux >= 5.14),
-  asked through the region's own probe;
-* ``textfile``: can ``shmctl metrics --textfile`` write where node_exporter reads.
-
-Each ``Check`` carries a status word, a one-line finding with exact figures, the fix where
-there is one, and the facts it was decided on (``data``). The words mean: ``ok``; ``warn``:
-shmctl works, with less certainty, speed or room than it could have; ``fail``: something will
-not work (a region does not fit or would not be in memory, reap can prove nothing, the
-textfile cannot be written); ``skip``: nothing to check (no plan given, no textfile
-directory, leases off).
-
-Invariants: nothing on the node is changed. The only writes are one page of anonymous
-memory (the populate probe) and an empty dot file created and removed at once in the
-textfile directory (node_exporter reads only ``*.prom``). Every path read is a parameter
-with the real one as default: ``proc_root`` (``/proc/sys`` is read under it, as
-``lease.break_time_s`` reads it), ``sysfs`` (transparent_hugepage), the root and the
-textfile directory.
+Invariants: nothing on the node is changed. The only writes are one page of anonymous memory
+(the populate probe) and an empty dot file created and removed at once in the textfile
+directory (node_exporter reads only ``*.prom``).
 """
 
 from __future__ import annotations
@@ -42,31 +22,36 @@ import stat
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvoffload import procfs
-from kvoffload.errors import ConfigError
-from kvoffload.liveness import lease
+from kvoffload.doctor.facts import (
+    CapabilityFacts,
+    Facts,
+    LeaseFacts,
+    PlannedRegion,
+    PopulateFacts,
+    ProcessFacts,
+    RootFacts,
+    SpaceFacts,
+    TextfileFacts,
+    effective_capabilities,
+)
 from kvoffload.shm import mounts
-from kvoffload.shm.mounts import HugePages
 
 if TYPE_CHECKING:
     from kvoffload.liveness.holders import Uninspected
-    from kvoffload.settings import OffloadingSettings
 
-SCHEMA_VERSION = 1
-DEFAULT_ROOT = Path("/dev/shm")
 #: Where Debian's and Ubuntu's prometheus-node-exporter package reads textfiles.
 DEFAULT_TEXTFILE = Path("/var/lib/prometheus/node-exporter")
 #: The file ``shmctl metrics --textfile DIR`` writes (``shmctl.render.metrics.FILENAME``).
 PROM_FILE = "shmctl.prom"
 #: Bit of ``CAP_LEASE`` in ``CapEff`` (linux/capability.h).
 CAP_LEASE = 28
-MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
 #: Docker's default ``--shm-size``: a container's /dev/shm that no real region fits.
 DOCKER_DEFAULT_SHM = 64 << 20
 
@@ -79,175 +64,12 @@ class CheckStatus(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class RootFacts:
-    """The root's filesystem (``fstatfs``, the mount table) and the node's memory (``meminfo``)."""
-
-    path: Path
-    mount_point: Path | None
-    fs_type: str | None
-    read_only: bool
-    size_bytes: int
-    used_bytes: int
-    free_bytes: int
-    mem_total_bytes: int | None
-    mem_available_bytes: int | None
-    #: ``Shmem`` of meminfo: every tmpfs and shared anonymous page on the node, this root's too.
-    shmem_bytes: int | None
-
-    @property
-    def in_memory(self) -> bool:
-        return self.fs_type in MEMORY_FILESYSTEMS
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedRegion:
-    """A region the root is to hold: an engine's config sized as ``init --dry-run`` does, or bytes."""
-
-    source: str
-    engine_id: str | None
-    bytes: int
-    #: vLLM's ``kv_bytes_per_chunk`` for a config (how far cpu_bytes_to_use can go down); 0 for bytes.
-    chunk_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class SpaceFacts:
-    regions: tuple[PlannedRegion, ...]
-    needed_bytes: int
-    free_bytes: int
-    mem_available_bytes: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseFacts:
-    """``fs.leases-enable`` and ``fs.lease-break-time``; None where ``/proc/sys`` says nothing."""
-
-    leases_enable: bool | None
-    lease_break_time_s: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class CapabilityFacts:
-    euid: int
-    #: ``CapEff`` of ``/proc/self/status``, hex as the kernel writes it; None if unreadable.
-    cap_eff: str | None
-    cap_lease: bool | None
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessFacts:
-    """One pass over ``/proc`` as ``scan`` makes it: who could be read, who not, and why."""
-
-    inspected: int
-    uninspected: int
-    #: "ERROR on WHAT" (``EACCES on fd``, ``hidepid on /proc mount (hidepid=2)``) -> processes.
-    reasons: dict[str, int]
-    #: The first few, as ``scan`` names them: ``pid 1 (init: EACCES on fd 0)``.
-    first: tuple[str, ...]
-    pid_namespace: str | None
-    complete: bool
-
-
-@dataclass(frozen=True, slots=True)
-class PopulateFacts:
-    kernel: str
-    supported: bool | None
-    error: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class TextfileFacts:
-    directory: Path
-    #: Given with ``--textfile``; the default directory is only checked where it exists.
-    requested: bool
-    exists: bool
-    is_directory: bool
-    writable: bool | None
-    error: str | None
-    #: Seconds since ``shmctl.prom`` there was written; None when there is none.
-    prom_age_s: float | None
-
-
-Facts = (
-    RootFacts
-    | SpaceFacts
-    | HugePages
-    | LeaseFacts
-    | CapabilityFacts
-    | ProcessFacts
-    | PopulateFacts
-    | TextfileFacts
-)
-
-
-@dataclass(frozen=True, slots=True)
 class Check:
     name: str
     status: CheckStatus
     finding: str
     fix: str | None
     data: Facts
-
-
-@dataclass(frozen=True, slots=True)
-class DoctorSummary:
-    ok: int
-    warn: int
-    fail: int
-    skip: int
-
-    @classmethod
-    def of(cls, checks: Iterable[Check]) -> DoctorSummary:
-        counts = Counter(c.status for c in checks)
-        return cls(*(counts[s] for s in CheckStatus))
-
-
-@dataclass(frozen=True, slots=True)
-class DoctorReport:
-    schema_version: int
-    root: Path
-    checks: tuple[Check, ...]
-    summary: DoctorSummary
-
-    @property
-    def failed(self) -> bool:
-        return self.summary.fail > 0
-
-    def check(self, name: str) -> Check:
-        for c in self.checks:
-            if c.name == name:
-                return c
-        raise KeyError(name)
-
-
-def diagnose(
-    root: Path | str = DEFAULT_ROOT,
-    *,
-    planned: Sequence[PlannedRegion] = (),
-    textfile: Path | None = None,
-    proc_root: Path = procfs.PROC_ROOT,
-    sysfs: Path = mounts.THP_SYSFS,
-) -> DoctorReport:
-    """Every check, in the module docstring's order. ``textfile`` None: the default directory,
-    checked only where it exists.
-
-    Raises ``ConfigError`` for an empty root and ``RootError`` for one that is missing, not a
-    directory or unreadable: a root that cannot be looked at has no verdicts to give.
-    """
-    path = Path(root)
-    facts = root_facts(path, proc_root=proc_root)
-    leases = lease_facts(proc_root)
-    checks = (
-        check_root(facts),
-        check_space(facts, planned),
-        check_huge_pages(facts, proc_root=proc_root, sysfs=sysfs),
-        check_leases(leases),
-        check_cap_lease(leases, proc_root=proc_root),
-        check_processes(leases, proc_root=proc_root),
-        check_populate_write(),
-        check_textfile(textfile),
-    )
-    return DoctorReport(SCHEMA_VERSION, path, checks, DoctorSummary.of(checks))
 
 
 # ----------------------------------------------------------------- figures
@@ -266,67 +88,7 @@ def _amount(n: int) -> str:
     return f"{n} bytes ({_human(n)})"
 
 
-def read_meminfo(proc_root: Path = procfs.PROC_ROOT) -> dict[str, int]:
-    """``/proc/meminfo`` in bytes (the kernel writes kB, meaning KiB); {} when unreadable."""
-    try:
-        text = (proc_root / "meminfo").read_text()
-    except OSError:
-        return {}
-    found = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        fields = value.split()
-        if fields and fields[0].isdigit():
-            found[key] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
-    return found
-
-
-def effective_capabilities(proc_root: Path = procfs.PROC_ROOT) -> int | None:
-    """``CapEff`` of ``/proc/self/status``; None when it cannot be read."""
-    try:
-        text = (proc_root / "self" / "status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key == "CapEff":
-            try:
-                return int(value.strip(), 16)
-            except ValueError:
-                return None
-    return None
-
-
 # ----------------------------------------------------------------- root and space
-
-
-def root_facts(root: Path, *, proc_root: Path = procfs.PROC_ROOT) -> RootFacts:
-    """The root's filesystem, size, use and read-only flag, and the node's memory.
-
-    Which filesystem is the kernel's answer for the open directory (``fstatfs``); the mount
-    point comes from the mount table, which only matches paths.
-    """
-    from kvoffload.liveness.scan import open_root
-
-    with open_root(root) as fd:
-        vfs = os.fstatvfs(fd)
-        kind = mounts.memory_filesystem(fd)
-    info = mounts.root_mount(
-        root, mountinfo=proc_root / "self" / "mountinfo", mounts=proc_root / "self" / "mounts"
-    )
-    memory = read_meminfo(proc_root)
-    return RootFacts(
-        path=root,
-        mount_point=None if info is None else info.mount_point,
-        fs_type=kind or (None if info is None else info.fs_type),
-        read_only=bool(vfs.f_flag & os.ST_RDONLY),
-        size_bytes=vfs.f_blocks * vfs.f_frsize,
-        used_bytes=(vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize,
-        free_bytes=vfs.f_bavail * vfs.f_frsize,
-        mem_total_bytes=memory.get("MemTotal"),
-        mem_available_bytes=memory.get("MemAvailable"),
-        shmem_bytes=memory.get("Shmem"),
-    )
 
 
 def _memory_text(facts: RootFacts) -> str:
@@ -388,69 +150,6 @@ def check_root(facts: RootFacts) -> Check:
             facts,
         )
     return Check("root", CheckStatus.OK, f"{facts.path}: {usage}", None, facts)
-
-
-def planned_from_config(config: OffloadingSettings, source: str) -> PlannedRegion:
-    """The region ``config`` would allocate, sized by the same plan ``shmctl init --dry-run`` prints."""
-    from kvoffload.bringup.plan import plan
-
-    the_plan = plan(config)
-    return PlannedRegion(
-        source, the_plan.engine_id, the_plan.sizing.total_bytes, the_plan.sizing.kv_bytes_per_chunk
-    )
-
-
-def planned_from_files(
-    files: Iterable[Path],
-    *,
-    kv_bytes_per_block: int | None,
-    model: str | None,
-    world_size: int = 1,
-    gpu_block_size: int = 16,
-    root: Path = DEFAULT_ROOT,
-) -> list[PlannedRegion]:
-    """Each engine config file (``init --config``'s JSON or TOML) as the region it would allocate.
-
-    The geometry (``kv_bytes_per_block`` or a ``model`` preset, world size, block size) is
-    the same for every file; ``ConfigError`` when a file or the geometry is wrong.
-    """
-    files = list(files)
-    if not files:
-        return []
-    from kvoffload.bringup.inputs import load_config
-
-    planned = []
-    for file in files:
-        try:
-            config = load_config(
-                kv_transfer_config=None,
-                config_file=file,
-                kv_bytes_per_block=kv_bytes_per_block,
-                model=model,
-                world_size=world_size,
-                gpu_block_size=gpu_block_size,
-                root=root,
-            )
-        except ConfigError as e:
-            if e.key != "--config":
-                raise
-            # The reader is init's, which names its option --config: name ours.
-            message = e.message.removeprefix(f"{e.key}: ")
-            raise ConfigError("--plan", message, fix=e.fix) from None
-        planned.append(planned_from_config(config, str(file)))
-    return planned
-
-
-def planned_bytes(text: str, *, option: str = "--need") -> PlannedRegion:
-    """``--need 40g``: bytes, or a number with k, m, g, t (powers of 1024) as tmpfs's size= takes."""
-    size = mounts.parse_size(text)
-    if size is None or size <= 0:
-        raise ConfigError(
-            option,
-            f"{text!r} is not a size in bytes",
-            fix=f"bytes, or a number with k, m, g or t (powers of 1024): {option} 40g",
-        )
-    return PlannedRegion(option, None, size, 0)
 
 
 def _regions_text(regions: Sequence[PlannedRegion]) -> str:
@@ -540,10 +239,6 @@ def check_huge_pages(
 
 
 # ----------------------------------------------------------------- leases
-
-
-def lease_facts(proc_root: Path = procfs.PROC_ROOT) -> LeaseFacts:
-    return LeaseFacts(lease.leases_enabled(proc_root), lease.break_time_s(proc_root))
 
 
 def check_leases(facts: LeaseFacts) -> Check:
@@ -710,7 +405,7 @@ def _process_fixes(blind: Sequence[Uninspected], *, complete: bool) -> list[str]
 def check_populate_write() -> Check:
     """Ask the kernel for ``MADV_POPULATE_WRITE`` on one page of shared anonymous memory (shmem,
     as a tmpfs file is), through the probe every region makes on its own mapping."""
-    from kvoffload.cpu.shared_offload_region import probe_populate_write
+    from kvoffload.cpu.prefault import probe_populate_write
 
     kernel = os.uname().release
     try:
