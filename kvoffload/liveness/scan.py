@@ -47,6 +47,7 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypedDict, Unpack
 
 from kvoffload import procfs
 from kvoffload.errors import ConfigError, RootError
@@ -77,6 +78,8 @@ __all__ = [
     "ParkView",
     "ParkedView",
     "ScanEntry",
+    "ScanKeywords",
+    "ScanOptions",
     "ScanReport",
     "ScanStream",
     "ScanSummary",
@@ -100,6 +103,59 @@ _PROBE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O
 #: Another prober (a concurrent scan or reap) holds its lease for microseconds; an open
 #: meanwhile fails with EWOULDBLOCK under O_NONBLOCK. Try again this many times.
 _LEASED_RETRIES = 5
+
+
+@dataclass(frozen=True, slots=True)
+class ScanOptions:
+    """The settings a scan judges by, one value passed whole: through ``scan`` and
+    ``ScanStream``, ``reap``, the agent's ``WatchConfig``, ``audit`` and the metrics.
+
+    A new setting is a field here and a flag in the CLI, nothing in between. Values are
+    checked where they are used (``scan`` and ``ScanStream`` refuse a negative grace; the
+    agent's ``WatchConfig`` names its own flags), so that each error says what it always said.
+    """
+
+    #: Files changed more recently than this are ``starting``, never orphaned.
+    grace_s: float = DEFAULT_GRACE_S
+    #: Whose files are judged: None every user's as root and the caller's own otherwise, True
+    #: every user's (root only), False the caller's own only; the rest are ``skipped``. Only
+    #: True lets ``reap`` and the agent remove another user's files.
+    all_users: bool | None = None
+    #: Pids the operator vouches for: they cannot be inspected, but map no region. It matters
+    #: only where no lease can be taken.
+    assume_not_holding: frozenset[int] = frozenset()
+    #: False judges from ``/proc``, locks and the owner record alone (``--no-lease``).
+    use_lease: bool = True
+    proc_root: Path = procfs.PROC_ROOT
+
+    def __post_init__(self) -> None:
+        # Any collection of pids will do; held as a frozenset, so that options compare and hash.
+        object.__setattr__(self, "assume_not_holding", frozenset(self.assume_not_holding))
+
+    @classmethod
+    def of(
+        cls, options: ScanOptions | None, legacy: ScanKeywords, *, default: ScanOptions | None = None
+    ) -> ScanOptions:
+        """``options`` (else ``default``, else every default) with ``legacy``, the settings given
+        as separate keywords, laid over it; an unknown keyword is a ``TypeError``."""
+        base = options if options is not None else default if default is not None else cls()
+        if not legacy:
+            return base
+        # Any collection of pids is taken here too: ``__post_init__`` makes it a frozenset.
+        changes: dict[str, Any] = {**legacy}
+        return dataclasses.replace(base, **changes)
+
+
+#: Superseded by ``ScanOptions``; kept here for one release (issue #29).
+class ScanKeywords(TypedDict, total=False):
+    """The scan settings as separate keywords, as ``scan``, ``ScanStream``, ``reap`` and
+    ``WatchConfig`` took them before ``ScanOptions``."""
+
+    grace_s: float
+    all_users: bool | None
+    assume_not_holding: Collection[int]
+    use_lease: bool
+    proc_root: Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,37 +449,35 @@ class _Probe:
 
 def scan(
     root: Path | str = DEFAULT_ROOT,
+    options: ScanOptions | None = None,
     *,
-    grace_s: float = DEFAULT_GRACE_S,
-    all_users: bool | None = None,
-    assume_not_holding: Collection[int] = (),
-    use_lease: bool = True,
-    proc_root: Path = procfs.PROC_ROOT,
     now: float | None = None,
     parallel: bool | None = None,
     holders: HolderIndex | None = None,
     root_fd: int | None = None,
+    **legacy: Unpack[ScanKeywords],
 ) -> ScanReport:
-    """Judge every ``vllm_offload_*.mmap[.N]`` entry of ``root``.
+    """Judge every ``vllm_offload_*.mmap[.N]`` entry of ``root`` by ``options`` (``ScanOptions``:
+    the grace period, whose files, the vouched pids, leases, the ``/proc`` to read).
 
-    ``all_users`` says whose files are judged: None (the default) every user's as root and
-    the caller's own otherwise, True every user's (root only), False the caller's own only;
-    the rest are ``skipped``. ``assume_not_holding`` lists
-    pids the operator vouches for: processes that cannot be inspected but are known not to
-    map regions; it matters only where no lease can be taken. ``use_lease=False`` judges
-    from ``/proc``, locks and the owner record alone (``--no-lease``). ``parallel`` forces
-    probing in a child beside the ``/proc`` pass (True) or after it (False); None lets
-    ``prober`` decide from the CPUs, the threads and the number of files. ``holders`` is a
-    ``/proc`` pass the caller already made (``shmctl watch`` makes one per pass for all its
-    roots); it is used only if it covers every device of the root's files, else the scan
-    makes its own. Its evidence is as old as that pass: the lease probes are not, and a reap
-    proves each file dead again anyway. ``root_fd`` is the root's directory, already open
-    (``open_root``): the scan then never resolves ``root`` by path.
+    ``parallel`` forces probing in a child beside the ``/proc`` pass (True) or after it
+    (False); None lets ``prober`` decide from the CPUs, the threads and the number of files.
+    ``holders`` is a ``/proc`` pass the caller already made (``shmctl watch`` makes one per
+    pass for all its roots); it is used only if it covers every device of the root's files,
+    else the scan makes its own. Its evidence is as old as that pass: the lease probes are
+    not, and a reap proves each file dead again anyway. ``root_fd`` is the root's directory,
+    already open (``open_root``): the scan then never resolves ``root`` by path.
+
+    ``legacy``: the settings as separate keywords (``grace_s=0``), laid over ``options``;
+    kept for one release (issue #29).
     """
+    options = ScanOptions.of(options, legacy)
+    grace_s = options.grace_s
+    proc_root = options.proc_root
     if grace_s < 0:
         raise ConfigError("grace", f"must not be negative, got {grace_s:g}s")
     euid = os.geteuid()
-    owners = _Owners.of(all_users, euid)
+    owners = _Owners.of(options.all_users, euid)
     root = Path(root)
     with open_root(root, root_fd) as dir_fd, contextlib.ExitStack() as leasing:
         listed, park_names = _list_regions(root, dir_fd)
@@ -432,7 +486,9 @@ def scan(
         # a scan of an empty root (a node with no engine) spawns nothing.
         to_probe = regions.to_probe()
         unsafe = leasing.enter_context(lease.sigio_ignored()) if to_probe or park_names else None
-        lease_off = lease.DISABLED if not use_lease else None if unsafe is None else LeaseProbe(None, unsafe)
+        lease_off = (
+            lease.DISABLED if not options.use_lease else None if unsafe is None else LeaseProbe(None, unsafe)
+        )
         root_dev = os.fstat(dir_fd).st_dev
         devices = {root_dev} | {item.st.st_dev for item in listed}
         # The probes (open, lease, lock) and the /proc pass are independent: with a second
@@ -446,7 +502,7 @@ def scan(
                 index = collect_holders(proc_root, devices=devices, skip_pids=probing.pids)
                 probes = {item.name: answer for item, answer in zip(to_probe, probing.results(), strict=True)}
         view = ScannerView(
-            index.blind_spots(frozenset(assume_not_holding)),
+            index.blind_spots(options.assume_not_holding),
             visibility(proc_root),
         )
         when = time.time() if now is None else now
@@ -464,7 +520,7 @@ def scan(
                 probe_args=(lease_off, euid),
                 when=when,
                 owners=owners,
-                adopter=park.Adopter.of(all_users, euid),
+                adopter=park.Adopter.of(options.all_users, euid),
             )
             entries = tuple(sorted(entries + parks.parked, key=lambda e: (e.engine_id, e.segment, e.name)))
     return ScanReport(
@@ -476,7 +532,7 @@ def scan(
         summary=ScanSummary.of(entries, len(index.uninspected)),
         uninspected=index.uninspected,
         deleted=tuple(d for d in index.deleted if d.dev == root_dev),
-        assumed_not_holding=tuple(sorted(assume_not_holding)),
+        assumed_not_holding=tuple(sorted(options.assume_not_holding)),
         visibility=view.visibility,
         lease_enabled=lease_off is None,
         huge_pages=mounts.check_huge_pages(root),
@@ -512,33 +568,28 @@ class ScanStream:
     def __init__(
         self,
         root: Path | str,
+        options: ScanOptions | None = None,
         *,
-        grace_s: float = DEFAULT_GRACE_S,
-        all_users: bool | None = None,
-        assume_not_holding: Collection[int] = (),
-        use_lease: bool = True,
-        proc_root: Path = procfs.PROC_ROOT,
         holders: HolderIndex | None = None,
         root_fd: int | None = None,
         now: float | None = None,
+        **legacy: Unpack[ScanKeywords],
     ) -> None:
-        if grace_s < 0:
-            raise ConfigError("grace", f"must not be negative, got {grace_s:g}s")
+        #: ``legacy``: the settings as separate keywords, as ``scan`` takes them.
+        self.options = options = ScanOptions.of(options, legacy)
+        if options.grace_s < 0:
+            raise ConfigError("grace", f"must not be negative, got {options.grace_s:g}s")
         self._euid = os.geteuid()
-        self._owners = _Owners.of(all_users, self._euid)
-        self._adopter = park.Adopter.of(all_users, self._euid)
+        self._owners = _Owners.of(options.all_users, self._euid)
+        self._adopter = park.Adopter.of(options.all_users, self._euid)
         self.root = Path(root)
-        self._grace_s = grace_s
-        self._assume = frozenset(assume_not_holding)
-        self._use_lease = use_lease
-        self._proc_root = proc_root
         self._host: Host | None = None  # read when the first region is judged
         self._given = holders
         self._root_fd = root_fd
         self._now = now
         self._stack = contextlib.ExitStack()
         self.dir_fd = -1
-        self.lease_enabled = use_lease
+        self.lease_enabled = options.use_lease
         self._lease_off: LeaseProbe | None = None
         self._names: list[str] = []
         self._park_names: list[str] = []
@@ -552,7 +603,7 @@ class ScanStream:
         with contextlib.ExitStack() as stack:
             self.dir_fd = stack.enter_context(open_root(self.root, self._root_fd))
             unsafe = stack.enter_context(lease.sigio_ignored())
-            if not self._use_lease:
+            if not self.options.use_lease:
                 self._lease_off = lease.DISABLED
             elif unsafe is not None:
                 self._lease_off = LeaseProbe(None, unsafe)
@@ -601,12 +652,15 @@ class ScanStream:
         wanted = set(devices)
         if index is not None and index.devices is not None:
             wanted |= index.devices
-        self._index = collect_holders(self._proc_root, devices=wanted)
+        self._index = collect_holders(self.options.proc_root, devices=wanted)
         self._view = None
 
     def _scanner_view(self) -> ScannerView:
         if self._view is None:
-            self._view = ScannerView(self.index.blind_spots(self._assume), visibility(self._proc_root))
+            options = self.options
+            self._view = ScannerView(
+                self.index.blind_spots(options.assume_not_holding), visibility(options.proc_root)
+            )
         return self._view
 
     def _when(self) -> float:
@@ -650,9 +704,9 @@ class ScanStream:
                     for item in skipped.get(group.engine_id, ())
                 ]
                 if self._host is None:
-                    self._host = Host.of(self._proc_root)
+                    self._host = Host.of(self.options.proc_root)
                 entries += _judge_group(
-                    self.root, group, probes, self.index, view, when, self._grace_s, self._host
+                    self.root, group, probes, self.index, view, when, self.options.grace_s, self._host
                 )
                 if entries:
                     entries.sort(key=lambda e: (e.segment, e.name))

@@ -67,9 +67,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Unpack
 
-from kvoffload import procfs, syscalls
+from kvoffload import syscalls
 from kvoffload.errors import ConfigError, KvOffloadError, RootError
 from kvoffload.liveness import lease, park
 from kvoffload.liveness import reap as reaping
@@ -79,6 +79,8 @@ from kvoffload.liveness.scan import (
     DEFAULT_ROOT,
     ParkView,
     ScanEntry,
+    ScanKeywords,
+    ScanOptions,
     ScanStream,
     ScanSummary,
     Status,
@@ -90,6 +92,7 @@ from kvoffload.shm import mounts
 __all__ = [
     "DEFAULT_GRACE_S",
     "DEFAULT_INTERVAL_S",
+    "DEFAULT_SCAN",
     "DEFAULT_TOP_ENGINES",
     "KUBELET_ROOTS",
     "Event",
@@ -154,42 +157,89 @@ def pod_uid_of(root: Path | str) -> str | None:
     return match.group(1) if match else None
 
 
-@dataclass(frozen=True, slots=True)
+#: How the agent judges a root unless told otherwise: ``scan``'s defaults, with its own grace.
+DEFAULT_SCAN = ScanOptions(grace_s=DEFAULT_GRACE_S)
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class WatchConfig:
-    """What to watch and how; validated before anything is scanned."""
+    """What to watch and how; validated before anything is scanned.
 
-    roots: tuple[str, ...] = (str(DEFAULT_ROOT),)
-    interval_s: float = DEFAULT_INTERVAL_S
-    reap: bool = False
-    grace_s: float = DEFAULT_GRACE_S
-    #: Whose files are judged, as ``scan``'s (None: every user's as root); only True removes
-    #: another user's (``--all-users``).
-    all_users: bool | None = None
-    assume_not_holding: frozenset[int] = frozenset()
-    use_lease: bool = True
-    proc_root: Path = procfs.PROC_ROOT
+    ``scan`` is how every root is judged (``ScanOptions``, grace ``DEFAULT_GRACE_S``). Its
+    ``all_users`` is whose files are judged, as ``scan``'s (None: every user's as root); only
+    True removes another user's (``--all-users``). The settings given as separate keywords
+    (``grace_s=0``) are laid over ``scan``, kept for one release (issue #29).
+    """
+
+    roots: tuple[str, ...]
+    interval_s: float
+    reap: bool
+    scan: ScanOptions
     #: Remove on any filesystem, not only a tmpfs or hugetlbfs (``--any-filesystem``).
-    any_filesystem: bool = False
+    any_filesystem: bool
     #: Orphaned engines a root's ``RootScan`` names (the largest); the rest are one sum.
-    top_engines: int = DEFAULT_TOP_ENGINES
+    top_engines: int
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        roots: tuple[str, ...] = (str(DEFAULT_ROOT),),
+        interval_s: float = DEFAULT_INTERVAL_S,
+        reap: bool = False,
+        *,
+        scan: ScanOptions | None = None,
+        any_filesystem: bool = False,
+        top_engines: int = DEFAULT_TOP_ENGINES,
+        **legacy: Unpack[ScanKeywords],
+    ) -> None:
+        # A frozen dataclass's own __init__ sets its fields so too.
+        object.__setattr__(self, "roots", roots)
+        object.__setattr__(self, "interval_s", interval_s)
+        object.__setattr__(self, "reap", reap)
+        object.__setattr__(self, "scan", ScanOptions.of(scan, legacy, default=DEFAULT_SCAN))
+        object.__setattr__(self, "any_filesystem", any_filesystem)
+        object.__setattr__(self, "top_engines", top_engines)
+        self._check()
+
+    def _check(self) -> None:
         if not self.roots:
             raise ConfigError("--root", "no root to watch", fix="pass --root /dev/shm")
         for pattern in self.roots:
             _check_pattern(pattern)
         if self.interval_s < 0:
             raise ConfigError("--interval", f"must not be negative, got {self.interval_s:g}s")
-        if self.grace_s < 0:
-            raise ConfigError("--grace", f"must not be negative, got {self.grace_s:g}s")
+        if self.scan.grace_s < 0:
+            raise ConfigError("--grace", f"must not be negative, got {self.scan.grace_s:g}s")
         if self.top_engines < 0:
             raise ConfigError("--top-engines", f"must not be negative, got {self.top_engines}")
-        if self.all_users and os.geteuid() != 0:
+        if self.scan.all_users and os.geteuid() != 0:
             raise ConfigError(
                 "--all-users",
                 "only root may judge other users' files",
                 fix="run as root, or drop --all-users",
             )
+
+    # The scan settings as they were read before ``scan`` held them: kept here for one
+    # release (issue #29).
+
+    @property
+    def grace_s(self) -> float:
+        return self.scan.grace_s
+
+    @property
+    def all_users(self) -> bool | None:
+        return self.scan.all_users
+
+    @property
+    def assume_not_holding(self) -> frozenset[int]:
+        return self.scan.assume_not_holding
+
+    @property
+    def use_lease(self) -> bool:
+        return self.scan.use_lease
+
+    @property
+    def proc_root(self) -> Path:
+        return self.scan.proc_root
 
 
 def _check_pattern(pattern: str) -> None:
@@ -789,7 +839,7 @@ class Watcher:
         self.passes = 0
         self._holders: HolderIndex | None = None
         #: Whose regions may be removed: the agent's uid's, or (``all_users``) everyone's.
-        self._remover = None if config.all_users else os.geteuid()
+        self._remover = None if config.scan.all_users else os.geteuid()
 
     @property
     def watched(self) -> tuple[Path, ...]:
@@ -931,7 +981,7 @@ class Watcher:
         if not devices:
             return None
         try:
-            return collect_holders(self.config.proc_root, devices=devices)
+            return collect_holders(self.config.scan.proc_root, devices=devices)
         except OSError:
             return None  # each root's scan then walks /proc itself and reports what fails
 
@@ -1033,16 +1083,7 @@ class Watcher:
         untrusted: set[bytes] = set()
         pending: list[tuple[ScanEntry, ...]] = []
         pending_files = 0
-        with ScanStream(
-            root,
-            grace_s=config.grace_s,
-            all_users=config.all_users,
-            assume_not_holding=config.assume_not_holding,
-            use_lease=config.use_lease,
-            proc_root=config.proc_root,
-            holders=None if fresh else self._holders,
-            root_fd=fd,
-        ) as stream:
+        with ScanStream(root, config.scan, holders=None if fresh else self._holders, root_fd=fd) as stream:
             judged = stream.parked()
             parks, parked = judged.parks, judged.parked
             self._tell_untrusted(root, state, judged.untrusted, untrusted)
@@ -1190,8 +1231,8 @@ class Watcher:
         done = reaping.remove_regions(
             stream.dir_fd,
             [list(r) for r in regions],
-            self.config.proc_root,
-            self.config.assume_not_holding,
+            self.config.scan.proc_root,
+            self.config.scan.assume_not_holding,
             self._should_stop,
         )
         self._tell_removed(root, state, done.removed, tally)
@@ -1227,7 +1268,7 @@ class Watcher:
         """Settle what dead reapers left parked, as ``reap`` does before it removes anything."""
         dead = tuple(e for e in parked if e.parked is not None and not e.parked.reaper_running)
         done = reaping.Outcome()
-        with park.ParkDir(stream.dir_fd, proc_root=self.config.proc_root) as parking:
+        with park.ParkDir(stream.dir_fd, proc_root=self.config.scan.proc_root) as parking:
             reaping.settle_parked(
                 stream.dir_fd,
                 dead,

@@ -5,9 +5,12 @@ Exit status: 0 nothing orphaned, 1 orphans found (or files a dead reap left park
 """
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from kvoffload.liveness.scan import ScanOptions
 
 
 def _root_path(text: str | Path) -> Path:
@@ -107,6 +110,25 @@ def whose_files(all_users: bool, own_only: bool) -> bool | None:
     return True if all_users else False if own_only else None
 
 
+def scan_options(
+    grace_s: float,
+    *,
+    all_users: bool,
+    own_only: bool,
+    assume_not_holding: list[int] | None,
+    no_lease: bool,
+) -> "ScanOptions":
+    """The scan flags (``--grace`` parsed) as the library's ``ScanOptions``."""
+    from kvoffload.liveness.scan import ScanOptions
+
+    return ScanOptions(
+        grace_s=grace_s,
+        all_users=whose_files(all_users, own_only),
+        assume_not_holding=frozenset(assume_not_holding or ()),
+        use_lease=not no_lease,
+    )
+
+
 def scan(
     root: RootOption = DEFAULT_ROOT,
     grace: GraceOption = "30s",
@@ -138,13 +160,14 @@ def scan(
     from shmctl.exit import ExitStatus
     from shmctl.render import scan as render
 
-    report = run_scan(
-        root,
-        grace_s=parse_duration(grace, option="--grace"),
-        all_users=whose_files(all_users, own_only),
-        assume_not_holding=frozenset(assume_not_holding or ()),
-        use_lease=not no_lease,
+    options = scan_options(
+        parse_duration(grace, option="--grace"),
+        all_users=all_users,
+        own_only=own_only,
+        assume_not_holding=assume_not_holding,
+        no_lease=no_lease,
     )
+    report = run_scan(root, options)
     render.scan_report(
         report,
         json_output=json_output,

@@ -17,7 +17,7 @@ from shmctl.commands.scan import (
     NoLeaseOption,
     OwnOnlyOption,
     RemoveAllUsersOption,
-    whose_files,
+    scan_options,
 )
 
 DEFAULT_ROOTS = ["/dev/shm"]
@@ -132,10 +132,13 @@ def watch(
         roots=tuple(root or DEFAULT_ROOTS),
         interval_s=interval_s,
         reap=reap,
-        grace_s=parse_duration(grace, option="--grace"),
-        all_users=whose_files(all_users, own_only),
-        assume_not_holding=frozenset(assume_not_holding or ()),
-        use_lease=not no_lease,
+        scan=scan_options(
+            parse_duration(grace, option="--grace"),
+            all_users=all_users,
+            own_only=own_only,
+            assume_not_holding=assume_not_holding,
+            no_lease=no_lease,
+        ),
         any_filesystem=any_filesystem,
         top_engines=top_engines,
     )
