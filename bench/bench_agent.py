@@ -53,8 +53,9 @@ from figures import (
 )
 
 from kvoffload.liveness import lease
+from kvoffload.liveness.events import PassReport
 from kvoffload.liveness.holders import collect_holders
-from kvoffload.liveness.watch import PassReport, WatchConfig, Watcher
+from kvoffload.liveness.watch import WatchConfig, Watcher
 from shmctl.render import watch as render
 
 BUDGET_S = 0.1

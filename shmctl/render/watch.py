@@ -40,7 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import ConfigError
 from kvoffload.liveness import lease
-from kvoffload.liveness.watch import Event, PassReport, RootPass, pod_uid_of
+from kvoffload.liveness.events import Event, PassReport, RootPass
+from kvoffload.liveness.roots import pod_uid_of
 from shmctl.render import http, json_text, to_jsonable, warning_line, write_utf8
 from shmctl.render.metrics import (
     DEFAULT_TOP_ENGINES,
