@@ -49,7 +49,8 @@ from kvoffload.durations import MAX_DURATION_S
 from kvoffload.errors import ConfigError
 from kvoffload.liveness.holders import DeletedMapping
 from kvoffload.liveness.reap import reap_command
-from kvoffload.liveness.scan import DEFAULT_ROOT, ScanEntry, ScanOptions, scan
+from kvoffload.liveness.report import ScanEntry
+from kvoffload.liveness.scan import DEFAULT_ROOT, ScanOptions, scan
 
 #: 1: the first versioned document (``command_signal``, ``exit_status``, ``exit_reason``,
 #: ``started_at`` and ``reap_commands`` came with it; ``command_exit_code`` is null when a

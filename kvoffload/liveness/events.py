@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from kvoffload.errors import RootError
+from kvoffload.liveness.report import ScanSummary
 from kvoffload.liveness.roots import RootIdentity
-from kvoffload.liveness.scan import ScanSummary, Status
+from kvoffload.liveness.scan import Status
 
 __all__ = [
     "Event",

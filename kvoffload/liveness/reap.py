@@ -6,7 +6,7 @@ files, but removes another user's only with ``all_users=True`` (``--all-users``)
 their orphans stay, listed (``other_users_left``). A scan is a snapshot, so before each region is
 removed it is proven again, moved into this reaper's park directory, proven once more and
 unlinked there (``removal``: the protocol; ``park``: the directory). Before anything, what dead
-reapers left in trusted park directories is settled (``settle``): files proven dead again go,
+reapers left in trusted park directories is settled (``park.settle``): files proven dead again go,
 the rest get their names back. docs/reap-protocol.md has every outcome.
 
 Nothing here follows a link, truncates or chmods anything, creates anything but the park
@@ -30,6 +30,8 @@ from typing import Unpack
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.liveness import lease, park
 from kvoffload.liveness.namespace import Visibility
+from kvoffload.liveness.park import UntrustedPark
+from kvoffload.liveness.park.settle import settle_parked
 from kvoffload.liveness.removal import (
     FD_RESERVE,
     GONE,
@@ -39,20 +41,8 @@ from kvoffload.liveness.removal import (
     batch_files,
     remove_regions,
 )
-from kvoffload.liveness.scan import (
-    DEFAULT_ROOT,
-    SCHEMA_VERSION,
-    ScanEntry,
-    ScanKeywords,
-    ScanOptions,
-    ScanReport,
-    ScanSummary,
-    Status,
-    UntrustedPark,
-    open_root,
-    scan,
-)
-from kvoffload.liveness.settle import settle_parked
+from kvoffload.liveness.report import SCHEMA_VERSION, ScanEntry, ScanReport, ScanSummary
+from kvoffload.liveness.scan import DEFAULT_ROOT, ScanKeywords, ScanOptions, Status, open_root, scan
 from kvoffload.shm import mounts
 
 __all__ = [

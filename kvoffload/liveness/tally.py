@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvoffload.liveness.events import RemovedFile, RootReap, RootScan
-from kvoffload.liveness.scan import ScanEntry, ScanStream, ScanSummary, Status
+from kvoffload.liveness.report import ScanEntry, ScanSummary
+from kvoffload.liveness.scan import ScanStream, Status
 
 __all__ = ["Tally"]
 

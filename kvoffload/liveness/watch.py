@@ -91,6 +91,9 @@ from kvoffload.liveness.events import (
     Usage,
 )
 from kvoffload.liveness.holders import HolderIndex, collect_holders
+from kvoffload.liveness.listing import uids_text
+from kvoffload.liveness.park import UntrustedPark
+from kvoffload.liveness.report import ScanEntry
 from kvoffload.liveness.roots import (
     KUBELET_DIRECTORIES,
     KUBELET_ROOTS,
@@ -98,16 +101,7 @@ from kvoffload.liveness.roots import (
     pod_uid_of,
     root_identity,
 )
-from kvoffload.liveness.scan import (
-    DEFAULT_ROOT,
-    ScanEntry,
-    ScanKeywords,
-    ScanOptions,
-    ScanStream,
-    Status,
-    UntrustedPark,
-    uids_text,
-)
+from kvoffload.liveness.scan import DEFAULT_ROOT, ScanKeywords, ScanOptions, ScanStream, Status
 from kvoffload.liveness.tally import Tally
 from kvoffload.liveness.watch_reap import REMOVAL_BATCH_FILES, RootReaper, by_engine, region_key
 from kvoffload.shm import mounts

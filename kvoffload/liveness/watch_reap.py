@@ -21,9 +21,11 @@ from pathlib import Path
 
 from kvoffload.liveness import park
 from kvoffload.liveness.events import Event, KeptUnknown, ParkedSettled, ParkRemoved, RemovalFailed, Removed
+from kvoffload.liveness.park import ParkView
+from kvoffload.liveness.park.settle import settle_parked
 from kvoffload.liveness.removal import MAX_BATCH_FILES, Outcome, remove_regions
-from kvoffload.liveness.scan import ParkView, ScanEntry, ScanOptions, ScanStream, Status
-from kvoffload.liveness.settle import settle_parked
+from kvoffload.liveness.report import ScanEntry
+from kvoffload.liveness.scan import ScanOptions, ScanStream, Status
 from kvoffload.liveness.tally import Tally
 
 __all__ = ["REMOVAL_BATCH_FILES", "RootReaper", "by_engine", "region_key"]

@@ -45,7 +45,7 @@ from pathlib import Path
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.liveness.audit import AuditReport, ExitReason, StartFailure
 from kvoffload.liveness.holders import DeletedMapping, Holder
-from kvoffload.liveness.scan import ScanEntry
+from kvoffload.liveness.report import ScanEntry
 from shmctl.render import json_text, printable, to_jsonable
 from shmctl.render.fixes import unwritable_fix
 

@@ -54,7 +54,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import RootError
-from kvoffload.liveness.scan import ScanReport, Status
+from kvoffload.liveness.report import ScanReport
+from kvoffload.liveness.scan import Status
 from shmctl.render import printable
 from shmctl.render.fixes import unwritable_fix
 

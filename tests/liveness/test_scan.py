@@ -15,7 +15,8 @@ import pytest
 
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.liveness.lease import LeaseState
-from kvoffload.liveness.scan import Evidence, ScanOptions, ScanReport, Status, scan
+from kvoffload.liveness.report import ScanReport
+from kvoffload.liveness.scan import Evidence, ScanOptions, Status, scan
 from kvoffload.shm import owner
 from tests.support.procs import (
     NOBODY,
