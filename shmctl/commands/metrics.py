@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from shmctl.commands.scan import (
+from shmctl.options import (
     DEFAULT_ROOT,
     AllUsersOption,
     AssumeOption,

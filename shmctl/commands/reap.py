@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from shmctl.commands.scan import (
+from shmctl.options import (
     DEFAULT_ROOT,
     AssumeOption,
     BytesOption,

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from shmctl.commands.scan import (
+from shmctl.options import (
     AssumeOption,
     NoLeaseOption,
     OwnOnlyOption,
