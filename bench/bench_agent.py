@@ -53,9 +53,12 @@ from figures import (
 )
 
 from kvoffload.liveness import lease
+from kvoffload.liveness.events import PassReport
 from kvoffload.liveness.holders import collect_holders
-from kvoffload.liveness.watch import PassReport, WatchConfig, Watcher
-from shmctl.render import watch as render
+from kvoffload.liveness.scan import ScanOptions
+from kvoffload.liveness.watch import WatchConfig, Watcher
+from shmctl.render.watch import EventWriter
+from shmctl.serve.state import WatchMetrics
 
 BUDGET_S = 0.1
 VOLUME = Path("volumes/kubernetes.io~empty-dir/dshm")
@@ -203,10 +206,10 @@ def volumes(work: Path, pods: int, mount: bool) -> Iterator[list[Path]]:
 
 def watcher(work: Path) -> tuple[Watcher, Callable[[PassReport], None]]:
     """The agent ``shmctl watch --root GLOB --grace 0s`` runs, and its metrics' ``on_pass``."""
-    config = WatchConfig(roots=(str(work / GLOB),), interval_s=60.0, grace_s=0.0)
-    metrics = render.WatchMetrics(interval_s=config.interval_s, reaping=False)
+    config = WatchConfig(roots=(str(work / GLOB),), interval_s=60.0, scan=ScanOptions(grace_s=0.0))
+    metrics = WatchMetrics(interval_s=config.interval_s, reaping=False)
     events = open(os.devnull, "w")  # noqa: SIM115 - open while the agent runs; closed with this process
-    return Watcher(config, on_event=render.EventWriter(events)), metrics.record
+    return Watcher(config, on_event=EventWriter(events)), metrics.record
 
 
 def check(first: PassReport, pods: int, orphans: int) -> None:

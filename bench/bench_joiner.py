@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from kvoffload.liveness import lease  # noqa: E402
 from kvoffload.liveness.removal import remove_regions  # noqa: E402
-from kvoffload.liveness.scan import scan  # noqa: E402
+from kvoffload.liveness.scan import ScanOptions, scan  # noqa: E402
 
 #: vLLM's two opens, at an instant it is told; answers what it got.
 JOINER = r"""
@@ -147,7 +147,7 @@ def one_race(root: Path, joiner: Joiner, window_ns: int, rng: random.Random) -> 
         os.write(fd, b"\1" * PAGE)
     finally:
         os.close(fd)
-    (found,) = scan(root, grace_s=0).entries
+    (found,) = scan(root, ScanOptions(grace_s=0)).entries
     start = time.monotonic_ns() + LEAD_NS
     joiner.race(path, start + rng.randrange(window_ns))
     while time.monotonic_ns() < start:

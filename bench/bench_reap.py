@@ -136,10 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def reap_profile(directory: Path, files: int) -> list[str]:
     """cProfile of one reap of ``files`` orphans, in this process (the scan's child unprofiled)."""
     from kvoffload.liveness.reap import reap
+    from kvoffload.liveness.scan import ScanOptions
 
     names = [f"vllm_offload_bench-{i:05d}.mmap" for i in range(files)]
     make_files(directory, names)
-    lines = profiled(f"one reap of {files:,} orphans, in-process", lambda: reap(directory, grace_s=0))
+    lines = profiled(
+        f"one reap of {files:,} orphans, in-process", lambda: reap(directory, ScanOptions(grace_s=0))
+    )
     left = os.listdir(directory)
     if left:
         raise RuntimeError(f"the profiled reap left {len(left)} of the files, e.g. {left[0]}")

@@ -406,11 +406,11 @@ def empty_scan_argv(empty: Path) -> list[str]:
 def scan_profile(root: Path, files: int) -> list[str]:
     """cProfile of one scan of ``root`` and its JSON, in this process (the scan's child too
     probes, unprofiled: what shows is the parent's share)."""
-    from kvoffload.liveness.scan import scan
+    from kvoffload.liveness.scan import ScanOptions, scan
     from shmctl.render import json_text
 
     title = f"one scan --json of {files:,} files, in-process"
-    return profiled(title, lambda: json_text(scan(root, grace_s=0)))
+    return profiled(title, lambda: json_text(scan(root, ScanOptions(grace_s=0))))
 
 
 if __name__ == "__main__":

@@ -186,14 +186,13 @@ def _cell(stage: str, mode: FailMode, report: InitReport, vouched: frozenset[int
 def _recover(cell: MatrixCell, report: InitReport, vouched: frozenset[int]) -> MatrixCell:
     """What an operator does after a crash: scan (the files must be orphaned), then reap."""
     from kvoffload.liveness.reap import ReapFilter, reap
-    from kvoffload.liveness.scan import Status, scan
+    from kvoffload.liveness.scan import ScanOptions, Status, scan
 
     ours = {p.name for p in report.residue.paths}
-    found = scan(report.root, grace_s=0.0, assume_not_holding=vouched)
+    options = ScanOptions(grace_s=0.0, assume_not_holding=vouched)
+    found = scan(report.root, options)
     statuses = tuple(str(e.status) for e in found.entries if e.name in ours)
-    reaped = reap(
-        report.root, grace_s=0.0, filters=ReapFilter.exactly(report.engine_id), assume_not_holding=vouched
-    )
+    reaped = reap(report.root, options, filters=ReapFilter.exactly(report.engine_id))
     after = measure_residue(report.root, report.engine_id)
     # The reap's own reason for a file it chose and then kept; else the scan's verdict.
     judged = {e.name: e for e in found.entries} | {e.name: e for e in reaped.kept}

@@ -49,13 +49,17 @@ from kvoffload.durations import MAX_DURATION_S
 from kvoffload.errors import ConfigError
 from kvoffload.liveness.holders import DeletedMapping
 from kvoffload.liveness.reap import reap_command
-from kvoffload.liveness.scan import DEFAULT_ROOT, ScanEntry, scan
+from kvoffload.liveness.report import ScanEntry
+from kvoffload.liveness.scan import DEFAULT_ROOT, ScanOptions, scan
 
 #: 1: the first versioned document (``command_signal``, ``exit_status``, ``exit_reason``,
 #: ``started_at`` and ``reap_commands`` came with it; ``command_exit_code`` is null when a
 #: signal killed the command, never negative).
 #: 2: ``command_start_error`` and the exit reason ``command-not-started`` (126, 127).
 SCHEMA_VERSION = 2
+#: How ``audit`` scans the root before and after the command unless told otherwise: no grace
+#: period (a file the command left is a leak whatever its verdict).
+AUDIT_SCAN = ScanOptions(grace_s=0.0)
 #: The status of a command that succeeded but left shared memory behind (shmctl's FINDINGS).
 LEAKED_EXIT_STATUS = 1
 #: The statuses a POSIX shell gives a command it cannot run: found but not executable, not found.
@@ -224,15 +228,17 @@ def audit(
     root: Path | str = DEFAULT_ROOT,
     *,
     settle_s: float = 0.0,
+    options: ScanOptions = AUDIT_SCAN,
 ) -> AuditReport:
-    """Run ``command`` (inheriting stdio) and report the region files it left in ``root``."""
+    """Run ``command`` (inheriting stdio) and report the region files it left in ``root``,
+    scanned before and after by ``options``."""
     if not command:
         raise ConfigError(
             "command", "nothing to run", fix="write the command after --, e.g. shmctl audit -- pytest"
         )
     if not 0 <= settle_s <= MAX_DURATION_S:
         raise ConfigError("settle_s", f"{settle_s} is outside 0..{MAX_DURATION_S:g} seconds")
-    before = scan(root, grace_s=0)
+    before = scan(root, options)
     known = {e.identity for e in before.entries}
     known_deleted = {_deleted_key(d) for d in before.deleted}
     received: list[signal.Signals] = []
@@ -269,7 +275,7 @@ def audit(
         settle_until = time.monotonic() + settle_s
         while not received and (left := settle_until - time.monotonic()) > 0:
             time.sleep(min(left, _SETTLE_SLICE_S))
-        after = scan(root, grace_s=0)
+        after = scan(root, options)
     leaked = tuple(e for e in after.entries if e.identity not in known)
     leaked_deleted = tuple(d for d in after.deleted if _deleted_key(d) not in known_deleted)
     resident = sum(e.resident_bytes for e in leaked) + sum(d.resident_bytes or 0 for d in leaked_deleted)

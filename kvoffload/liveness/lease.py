@@ -18,7 +18,7 @@ inside ``sigio_ignored()``. A pending break shows in ``F_GETLEASE``, which then 
 type the lease is being broken to: that is how ``reap`` learns an opener arrived.
 
 A holder that cannot answer (stopped, traced, starved) would keep an engine's ``open``
-waiting for ``fs.lease-break-time`` (45 s). ``guard`` prevents it: ``sigio_ignored`` starts
+waiting for ``fs.lease-break-time`` (45 s). ``watchdog`` prevents it: ``sigio_ignored`` starts
 a watchdog that kills such a holder once an opener waits on it, and ``take`` … ``release``
 mark the hold for it and defer job-control stops (Ctrl-Z) until the lease is given back.
 Every hold therefore ends with ``release``, never with a bare ``close``.
@@ -37,7 +37,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from kvoffload import procfs
-from kvoffload.liveness import guard
+from kvoffload.liveness import watchdog
 
 _lock = threading.Lock()
 _depth = 0
@@ -90,16 +90,16 @@ def take(fd: int, st_uid: int, fsuid: int) -> LeaseProbe:
     ``F_SETLEASE``: a stop right after the grant is a stop while holding. Taking again a
     lease already held (``contested``) leaves it, and its mark, in place whatever the answer.
     """
-    new = guard.hold(fd)
+    new = watchdog.hold(fd)
     try:
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
     except BlockingIOError:
         if new:
-            guard.drop(fd)
+            watchdog.drop(fd)
         return HELD
     except OSError as e:
         if new:
-            guard.drop(fd)
+            watchdog.drop(fd)
         return LeaseProbe(None, unavailable_reason(e, st_uid, fsuid))
     return FREE
 
@@ -130,7 +130,7 @@ def release(fd: int) -> None:
     """
     with contextlib.suppress(OSError):
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-    guard.drop(fd)
+    watchdog.drop(fd)
 
 
 def break_time_s(proc_root: Path = procfs.PROC_ROOT) -> float | None:
@@ -158,9 +158,9 @@ def leases_enabled(proc_root: Path = procfs.PROC_ROOT) -> bool | None:
         return None
 
 
-def guard_status() -> guard.GuardStatus:
-    """Whether a watchdog guards this process's leases (``guard``), and why not."""
-    return guard.status()
+def guard_status() -> watchdog.GuardStatus:
+    """Whether a watchdog guards this process's leases (``watchdog``), and why not."""
+    return watchdog.status()
 
 
 @contextlib.contextmanager
@@ -174,7 +174,7 @@ def sigio_ignored() -> Iterator[str | None]:
     ignores ``SIGIO`` (a long-running host can call this once from its main thread).
     Nested and concurrent uses share one change, undone by the last to leave.
 
-    Where leases are safe it also starts the watchdog (``guard.start``), once per process:
+    Where leases are safe it also starts the watchdog (``watchdog.start``), once per process:
     a spawn, so a process with threads may call it. It outlives the block: a long-running
     host pays the spawn once, and it exits with this process.
     """
@@ -191,7 +191,7 @@ def sigio_ignored() -> Iterator[str | None]:
     if unsafe is not None:
         yield unsafe
         return
-    guard.start()
+    watchdog.start()
     try:
         yield None
     finally:

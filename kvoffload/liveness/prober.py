@@ -24,7 +24,7 @@ Safety, which matters more than the time saved:
 * The child never returns into the caller's code: it leaves through ``os._exit`` whatever
   happens, so no ``finally`` or ``atexit`` of the caller runs twice. If the caller is
   interrupted, the child is killed and reaped before the exception goes on.
-* The child's write leases are guarded like the parent's (``guard``): it shares the
+* The child's write leases are guarded like the parent's (``watchdog``): it shares the
   parent's watchdog through the inherited table and claims a slot of its own right after
   the fork. A child stopped while an engine waits on its lease is SIGKILLed; that is a
   failed child like any other, and the parent probes every file itself.
@@ -43,7 +43,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-from kvoffload.liveness import guard
+from kvoffload.liveness import watchdog
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -211,7 +211,7 @@ def start(
         code = 1
         try:
             os.close(read_end)
-            guard.adopt()
+            watchdog.adopt()
             done = {}
             while (run := _claim(claims)) is not None:
                 done[run] = [probe(items[i]) for i in runs[run]]

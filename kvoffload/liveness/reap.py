@@ -6,7 +6,7 @@ files, but removes another user's only with ``all_users=True`` (``--all-users``)
 their orphans stay, listed (``other_users_left``). A scan is a snapshot, so before each region is
 removed it is proven again, moved into this reaper's park directory, proven once more and
 unlinked there (``removal``: the protocol; ``park``: the directory). Before anything, what dead
-reapers left in trusted park directories is settled (``settle``): files proven dead again go,
+reapers left in trusted park directories is settled (``park.settle``): files proven dead again go,
 the rest get their names back. docs/reap-protocol.md has every outcome.
 
 Nothing here follows a link, truncates or chmods anything, creates anything but the park
@@ -22,14 +22,16 @@ import fnmatch
 import glob
 import os
 import shlex
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Unpack
 
-from kvoffload import procfs
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.liveness import lease, park
 from kvoffload.liveness.namespace import Visibility
+from kvoffload.liveness.park import UntrustedPark
+from kvoffload.liveness.park.settle import settle_parked
 from kvoffload.liveness.removal import (
     FD_RESERVE,
     GONE,
@@ -39,19 +41,8 @@ from kvoffload.liveness.removal import (
     batch_files,
     remove_regions,
 )
-from kvoffload.liveness.scan import (
-    DEFAULT_GRACE_S,
-    DEFAULT_ROOT,
-    SCHEMA_VERSION,
-    ScanEntry,
-    ScanReport,
-    ScanSummary,
-    Status,
-    UntrustedPark,
-    open_root,
-    scan,
-)
-from kvoffload.liveness.settle import settle_parked
+from kvoffload.liveness.report import SCHEMA_VERSION, ScanEntry, ScanReport, ScanSummary
+from kvoffload.liveness.scan import DEFAULT_ROOT, ScanKeywords, ScanOptions, Status, open_root, scan
 from kvoffload.shm import mounts
 
 __all__ = [
@@ -190,25 +181,24 @@ def select(
 
 def reap(
     root: Path | str = DEFAULT_ROOT,
+    options: ScanOptions | None = None,
     *,
-    grace_s: float = DEFAULT_GRACE_S,
     filters: ReapFilter = ReapFilter(),
     dry_run: bool = False,
-    all_users: bool | None = None,
-    assume_not_holding: Collection[int] = (),
-    use_lease: bool = True,
-    proc_root: Path = procfs.PROC_ROOT,
     now: float | None = None,
     only: ReapReport | None = None,
     should_stop: Callable[[], bool] | None = None,
     root_fd: int | None = None,
     any_filesystem: bool = False,
+    **legacy: Unpack[ScanKeywords],
 ) -> ReapReport:
-    """Scan ``root`` and remove the orphaned regions ``filters`` select.
+    """Scan ``root`` by ``options`` (``ScanOptions``, as ``scan``) and remove the orphaned
+    regions ``filters`` select.
 
-    ``all_users`` is ``scan``'s: whose files are judged (None, the default: every user's as
-    root, the caller's own otherwise). Only True removes another user's files; otherwise the
-    orphaned regions with a file of another uid are left and listed (``other_users_left``).
+    ``options.all_users`` is ``scan``'s: whose files are judged (None, the default: every
+    user's as root, the caller's own otherwise). Only True removes another user's files;
+    otherwise the orphaned regions with a file of another uid are left and listed
+    (``other_users_left``).
 
     ``only`` is an earlier dry-run report (what the operator confirmed): nothing outside it
     is removed, and anything in it that is no longer orphaned, or is another inode now,
@@ -223,20 +213,20 @@ def reap(
     every removal then act on that directory, never on whatever ``root`` names by now.
     Files are removed only from a tmpfs or hugetlbfs (where regions live, and where a file's
     memory is what the operator wants back); ``any_filesystem`` lifts that.
+
+    ``legacy``: the scan settings as separate keywords (``grace_s=0``), laid over ``options``;
+    kept for one release (issue #29).
     """
+    options = ScanOptions.of(options, legacy)
     with open_root(root, root_fd) as dir_fd:
         if not any_filesystem:
             _require_memory_filesystem(root, dir_fd)
         return _reap_root(
             root,
             dir_fd,
-            grace_s=grace_s,
+            options,
             filters=filters,
             dry_run=dry_run,
-            all_users=all_users,
-            assume_not_holding=assume_not_holding,
-            use_lease=use_lease,
-            proc_root=proc_root,
             now=now,
             only=only,
             should_stop=should_stop,
@@ -255,28 +245,16 @@ def _require_memory_filesystem(root: Path | str, dir_fd: int) -> None:
 def _reap_root(
     root: Path | str,
     dir_fd: int,
+    options: ScanOptions,
     *,
-    grace_s: float,
     filters: ReapFilter,
     dry_run: bool,
-    all_users: bool | None,
-    assume_not_holding: Collection[int],
-    use_lease: bool,
-    proc_root: Path,
     now: float | None,
     only: ReapReport | None,
     should_stop: Callable[[], bool] | None,
 ) -> ReapReport:
-    report = scan(
-        root,
-        grace_s=grace_s,
-        all_users=all_users,
-        assume_not_holding=assume_not_holding,
-        use_lease=use_lease,
-        proc_root=proc_root,
-        now=now,
-        root_fd=dir_fd,
-    )
+    report = scan(root, options, now=now, root_fd=dir_fd)
+    all_users = options.all_users
     selected = select(report, filters)
     chosen, theirs = _split_by_owner(selected, None if all_users else os.geteuid())
     done = Outcome()
@@ -305,7 +283,7 @@ def _reap_root(
         groups: dict[str, list[ScanEntry]] = {}
         for e in chosen:
             groups.setdefault(e.engine_id, []).append(e)
-        with lease.sigio_ignored(), park.ParkDir(dir_fd, proc_root=proc_root) as parking:
+        with lease.sigio_ignored(), park.ParkDir(dir_fd, proc_root=options.proc_root) as parking:
             if dead:
                 settle_parked(
                     dir_fd,
@@ -321,8 +299,8 @@ def _reap_root(
             remove_regions(
                 dir_fd,
                 groups.values(),
-                proc_root,
-                frozenset(assume_not_holding),
+                options.proc_root,
+                options.assume_not_holding,
                 should_stop,
                 parking=parking,
                 outcome=done,

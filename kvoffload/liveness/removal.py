@@ -62,7 +62,9 @@ from pathlib import Path
 from kvoffload.liveness import lease, park
 from kvoffload.liveness.holders import HolderIndex, collect_holders
 from kvoffload.liveness.lease import LeaseState
-from kvoffload.liveness.scan import ScanEntry, Status, open_probe_fd
+from kvoffload.liveness.probe import open_probe_fd
+from kvoffload.liveness.report import ScanEntry
+from kvoffload.liveness.scan import Status
 
 GONE = "gone before removal (removed by someone else)"
 RACED = "kept: raced with an opener (it opened the file during removal)"

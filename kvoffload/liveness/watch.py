@@ -15,7 +15,7 @@ Invariants:
 * Memory does not grow with files or roots (docs/agent-memory.md). A root is judged a region
   at a time (``ScanStream``) and removed in batches as the judgement goes; what a pass keeps
   of a root is numbers (``RootScan``), and what the next pass needs is one bytes key per
-  orphaned region (``_region_key``), never an entry.
+  orphaned region (``region_key``), never an entry.
 * A region goes whole: it is nominated only when every file of it was orphaned, with the
   same identities, in both passes.
 * A root's trouble is an event, never an exit: a root that cannot be read, one that
@@ -24,13 +24,11 @@ Invariants:
   nominations, its series) is dropped, so memory stays flat while pods come and go.
 * Stopping (``should_stop``) is honoured between roots and, inside a reap, between
   regions: what has begun is finished, nothing is left half-removed.
-* Roots have borders (``docs/watch-roots.md``). A path the operator gave is resolved once,
-  when the ``Watcher`` is made (``root_resolved`` says so where a symlink was in it); every
-  pass opens it again with no symlink allowed anywhere in it. Below a glob's fixed part no
-  symlink is followed at all: each component is listed and opened relative to its parent's
-  fd with ``O_NOFOLLOW``, so a match that is a symlink (one an unprivileged user planted in
-  a sticky world-writable directory, say) is never a root. The scan and the reap act on the
-  root's directory fd (``root_fd``), never on its path again; one root is open at a time.
+* Roots have borders (``roots``, ``docs/watch-roots.md``). A path the operator gave is
+  resolved once, when the ``Watcher`` is made (``root_resolved`` says so where a symlink was
+  in it); every pass opens it again with no symlink allowed anywhere in it, and below a
+  glob's fixed part no symlink is followed at all. The scan and the reap act on the root's
+  directory fd (``root_fd``), never on its path again; one root is open at a time.
 * A root is pinned by ``(st_dev, st_ino, mount id)`` when first seen: another directory at
   its path is a new root (``root_replaced``), and nothing nominated in the old one carries over.
 * Removal happens only on a tmpfs or hugetlbfs unless ``any_filesystem``: elsewhere the
@@ -49,48 +47,77 @@ The loop is meant for the main thread: it enters ``lease.sigio_ignored()`` once 
 passes (only the main thread may ignore ``SIGIO``). Elsewhere the scans run without leases,
 fail-closed. A process with other threads (an HTTP server) probes serially (see ``prober``).
 
-Events are values (the dataclasses below); the caller renders them. Nothing here prints.
+This module is the loop: which roots a pass has (``roots``), what each root's turn judges and
+nominates, what the next pass must remember. A root's removal is ``watch_reap``'s, its
+numbers ``tally``'s. Events are values (``events``); the caller renders them. Nothing here
+prints.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fnmatch
-import glob
-import itertools
 import os
-import re
-import stat
-import struct
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Unpack
 
-from kvoffload import procfs, syscalls
 from kvoffload.errors import ConfigError, KvOffloadError, RootError
-from kvoffload.liveness import lease, park
-from kvoffload.liveness import reap as reaping
-from kvoffload.liveness.holders import HolderIndex, collect_holders
-from kvoffload.liveness.park import PARK_PREFIX
-from kvoffload.liveness.scan import (
-    DEFAULT_ROOT,
-    ParkView,
-    ScanEntry,
-    ScanStream,
-    ScanSummary,
-    Status,
-    UntrustedPark,
-    uids_text,
+from kvoffload.liveness import lease, roots
+from kvoffload.liveness.events import (
+    Event,
+    KeptOtherUser,
+    KeptParked,
+    KeptUnknown,
+    ParkedSettled,
+    ParkRemoved,
+    ParkUntrusted,
+    PassReport,
+    PassSummary,
+    RemovalFailed,
+    RemovalRefused,
+    Removed,
+    RemovedFile,
+    RootAppeared,
+    RootNoMatch,
+    RootPass,
+    RootReap,
+    RootReplaced,
+    RootResolved,
+    RootScan,
+    RootUnreadable,
+    RootVanished,
+    Usage,
 )
+from kvoffload.liveness.holders import HolderIndex, collect_holders
+from kvoffload.liveness.listing import uids_text
+from kvoffload.liveness.park import UntrustedPark
+from kvoffload.liveness.report import ScanEntry
+from kvoffload.liveness.roots import (
+    KUBELET_DIRECTORIES,
+    KUBELET_ROOTS,
+    RootIdentity,
+    pod_uid_of,
+    root_identity,
+)
+from kvoffload.liveness.scan import DEFAULT_ROOT, ScanKeywords, ScanOptions, ScanStream, Status
+from kvoffload.liveness.tally import Tally
+from kvoffload.liveness.watch_reap import REMOVAL_BATCH_FILES, RootReaper, by_engine, region_key
 from kvoffload.shm import mounts
 
 __all__ = [
     "DEFAULT_GRACE_S",
     "DEFAULT_INTERVAL_S",
+    "DEFAULT_SCAN",
     "DEFAULT_TOP_ENGINES",
+    "WatchConfig",
+    "Watcher",
+]
+#: Moved to ``kvoffload.liveness.events`` and ``kvoffload.liveness.roots``; kept here for one
+#: release (issue #29).
+__all__ += [
+    "KUBELET_DIRECTORIES",
     "KUBELET_ROOTS",
     "Event",
     "KeptOtherUser",
@@ -116,8 +143,6 @@ __all__ = [
     "RootUnreadable",
     "RootVanished",
     "Usage",
-    "WatchConfig",
-    "Watcher",
     "pod_uid_of",
     "root_identity",
 ]
@@ -127,609 +152,93 @@ DEFAULT_INTERVAL_S = 60.0
 DEFAULT_GRACE_S = 600.0
 #: Orphaned engines named per root (``--top-engines``); the rest are summed.
 DEFAULT_TOP_ENGINES = 10
-#: Every memory-backed emptyDir of every pod on a node, as the kubelet mounts them.
-KUBELET_ROOTS = "/var/lib/kubelet/pods/*/volumes/kubernetes.io~empty-dir/*"
-#: Where the kubelet keeps its pods (its ``--root-dir``) on the common distributions. k3s has
-#: used the default since v0.10 (k3s-io/k3s#840), as RKE2 does; only older k3s used its own.
-KUBELET_DIRECTORIES = (
-    ("/var/lib/kubelet", "kubeadm, EKS, GKE, AKS, k3s, RKE2"),
-    ("/var/lib/k0s/kubelet", "k0s"),
-    ("/var/snap/microk8s/common/var/lib/kubelet", "MicroK8s"),
-    ("/var/lib/rancher/k3s/agent/kubelet", "k3s before v0.10"),
-)
-_POD_UID = re.compile(r"/pods/([^/]+)/volumes/")
 #: How long the loop sleeps at most before it looks at ``should_stop`` again.
 _STOP_POLL_S = 0.05
-#: A reaper's private park directories: never a root.
-_PARK_PREFIX = PARK_PREFIX
-#: A root itself: listed by the scan, so readable; never through a symlink.
-_ROOT_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-#: A directory only passed through: search permission is enough, as for a path lookup.
-_PASS_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def pod_uid_of(root: Path | str) -> str | None:
-    """The pod UID of a kubelet volume path (``.../pods/<uid>/volumes/...``); None elsewhere."""
-    match = _POD_UID.search(str(root))
-    return match.group(1) if match else None
+#: How the agent judges a root unless told otherwise: ``scan``'s defaults, with its own grace.
+DEFAULT_SCAN = ScanOptions(grace_s=DEFAULT_GRACE_S)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class WatchConfig:
-    """What to watch and how; validated before anything is scanned."""
+    """What to watch and how; validated before anything is scanned.
 
-    roots: tuple[str, ...] = (str(DEFAULT_ROOT),)
-    interval_s: float = DEFAULT_INTERVAL_S
-    reap: bool = False
-    grace_s: float = DEFAULT_GRACE_S
-    #: Whose files are judged, as ``scan``'s (None: every user's as root); only True removes
-    #: another user's (``--all-users``).
-    all_users: bool | None = None
-    assume_not_holding: frozenset[int] = frozenset()
-    use_lease: bool = True
-    proc_root: Path = procfs.PROC_ROOT
+    ``scan`` is how every root is judged (``ScanOptions``, grace ``DEFAULT_GRACE_S``). Its
+    ``all_users`` is whose files are judged, as ``scan``'s (None: every user's as root); only
+    True removes another user's (``--all-users``). The settings given as separate keywords
+    (``grace_s=0``) are laid over ``scan``, kept for one release (issue #29).
+    """
+
+    roots: tuple[str, ...]
+    interval_s: float
+    reap: bool
+    scan: ScanOptions
     #: Remove on any filesystem, not only a tmpfs or hugetlbfs (``--any-filesystem``).
-    any_filesystem: bool = False
+    any_filesystem: bool
     #: Orphaned engines a root's ``RootScan`` names (the largest); the rest are one sum.
-    top_engines: int = DEFAULT_TOP_ENGINES
+    top_engines: int
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        roots: tuple[str, ...] = (str(DEFAULT_ROOT),),
+        interval_s: float = DEFAULT_INTERVAL_S,
+        reap: bool = False,
+        *,
+        scan: ScanOptions | None = None,
+        any_filesystem: bool = False,
+        top_engines: int = DEFAULT_TOP_ENGINES,
+        **legacy: Unpack[ScanKeywords],
+    ) -> None:
+        # A frozen dataclass's own __init__ sets its fields so too.
+        object.__setattr__(self, "roots", roots)
+        object.__setattr__(self, "interval_s", interval_s)
+        object.__setattr__(self, "reap", reap)
+        object.__setattr__(self, "scan", ScanOptions.of(scan, legacy, default=DEFAULT_SCAN))
+        object.__setattr__(self, "any_filesystem", any_filesystem)
+        object.__setattr__(self, "top_engines", top_engines)
+        self._check()
+
+    def _check(self) -> None:
         if not self.roots:
             raise ConfigError("--root", "no root to watch", fix="pass --root /dev/shm")
         for pattern in self.roots:
-            _check_pattern(pattern)
+            roots.check_pattern(pattern)
         if self.interval_s < 0:
             raise ConfigError("--interval", f"must not be negative, got {self.interval_s:g}s")
-        if self.grace_s < 0:
-            raise ConfigError("--grace", f"must not be negative, got {self.grace_s:g}s")
+        if self.scan.grace_s < 0:
+            raise ConfigError("--grace", f"must not be negative, got {self.scan.grace_s:g}s")
         if self.top_engines < 0:
             raise ConfigError("--top-engines", f"must not be negative, got {self.top_engines}")
-        if self.all_users and os.geteuid() != 0:
+        if self.scan.all_users and os.geteuid() != 0:
             raise ConfigError(
                 "--all-users",
                 "only root may judge other users' files",
                 fix="run as root, or drop --all-users",
             )
 
-
-def _check_pattern(pattern: str) -> None:
-    example = f"pass /dev/shm or a glob such as {KUBELET_ROOTS}"
-    if not pattern.strip():
-        raise ConfigError("--root", "is empty (it would mean the current directory)", fix=example)
-    if "\0" in pattern:
-        raise ConfigError("--root", f"{pattern!r} holds a NUL byte", fix=example)
-    if not pattern.startswith("/"):
-        # An agent's working directory means nothing: a relative glob would watch whatever it is.
-        raise ConfigError("--root", f"{pattern!r} is not an absolute path", fix=example)
-    names = _components(pattern)
-    if any(name.startswith(_PARK_PREFIX) for name in names):
-        raise ConfigError(
-            "--root",
-            f"{pattern!r} names a reaper's private park directory ({_PARK_PREFIX}*), never a root",
-            fix=example,
-        )
-    fixed = _fixed_length(names)
-    if ".." in names[fixed:]:
-        # Below the fixed part every component is opened relative to its parent: ".." would
-        # climb out of what the glob matched.
-        raise ConfigError(
-            "--root",
-            f"{pattern!r} has '..' below its first glob character",
-            fix="write the path without '..'",
-        )
-
-
-def _check_fixed_part(pattern: _Pattern) -> None:
-    """A glob's fixed part must be a directory when the agent starts."""
-    try:
-        st = os.stat(pattern.target)
-    except FileNotFoundError:
-        kubelets = ", ".join(f"{path} ({which})" for path, which in KUBELET_DIRECTORIES)
-        raise ConfigError(
-            "--root",
-            f"{pattern.text!r}: {pattern.fixed} does not exist, so the glob can never match",
-            fix=f"use this node's kubelet directory (its --root-dir): {kubelets}",
-        ) from None
-    except OSError:
-        return  # there but not searchable: told every pass as root_no_match
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(
-            "--root",
-            f"{pattern.text!r}: {pattern.fixed} is not a directory",
-            fix="pass a glob whose leading components name a directory",
-        )
-
-
-def _components(path: str) -> list[str]:
-    """The names of an absolute path, without the empty and ``.`` ones."""
-    return [name for name in path.split("/") if name not in ("", ".")]
-
-
-def _fixed_length(names: list[str]) -> int:
-    """How many leading names hold no glob character: a glob's fixed part (all of a plain path)."""
-    return next((i for i, name in enumerate(names) if glob.has_magic(name)), len(names))
-
-
-@dataclass(frozen=True, slots=True)
-class _Step:
-    """One component of a glob below its fixed part."""
-
-    name: str
-    #: The component's glob, compiled once; None for a plain name (opened as it is).
-    match: re.Pattern[str] | None
-
-    @classmethod
-    def of(cls, name: str) -> _Step:
-        return cls(name, re.compile(fnmatch.translate(name)) if glob.has_magic(name) else None)
-
-    def select(self, listed: list[str]) -> list[str]:
-        """The listed names this component matches, sorted; glob's rule for hidden names:
-        ``*``, ``?`` and ``[...]`` match a leading dot only in a component that starts with one."""
-        if self.match is None:
-            return [self.name]
-        hidden = self.name.startswith(".")
-        return sorted(n for n in listed if (hidden or not n.startswith(".")) and self.match.match(n))
-
-
-@dataclass(frozen=True, slots=True)
-class _Pattern:
-    """One ``--root``: its fixed part, resolved once at start, and the glob components below it."""
-
-    #: The fixed part as given: a plain root whole, or a glob's leading components without magic.
-    fixed: Path
-    #: The fixed part as ``realpath`` resolved it when the ``Watcher`` was made, as names from ``/``.
-    resolved: tuple[str, ...]
-    steps: tuple[_Step, ...]
-    #: The ``--root`` as given, for ``root_no_match``.
-    text: str = ""
-
-    @classmethod
-    def of(cls, text: str) -> _Pattern:
-        """The pattern of ``text``; a ``ConfigError`` for a glob whose fixed part is missing.
-
-        A plain root may be missing (it is reported every pass until it appears); a glob whose
-        fixed part is missing is another node layout, and would match nothing, silently, forever.
-        """
-        names = _components(text)
-        n = _fixed_length(names)
-        fixed = Path("/", *names[:n])
-        resolved = tuple(_components(os.path.realpath(fixed)))
-        pattern = cls(fixed, resolved, tuple(_Step.of(name) for name in names[n:]), text)
-        if not pattern.literal:
-            _check_fixed_part(pattern)
-        return pattern
+    # The scan settings as they were read before ``scan`` held them: kept here for one
+    # release (issue #29).
 
     @property
-    def literal(self) -> bool:
-        return not self.steps
+    def grace_s(self) -> float:
+        return self.scan.grace_s
 
     @property
-    def target(self) -> Path:
-        return Path("/", *self.resolved)
-
-
-@dataclass(frozen=True, slots=True)
-class _Match:
-    """A root found in this pass: its name, and how to open it again without following a symlink."""
-
-    path: Path
-    pattern: _Pattern
-    #: Its names below the pattern's fixed part (none for a plain root).
-    below: tuple[str, ...]
-    #: Its ``st_dev`` when matched, for the pass's one ``/proc`` walk; None when it could not be read.
-    dev: int | None
-
-
-class _PathError(Exception):
-    """A component of a root's path could not be opened (``symlink``: because it is a symlink)."""
-
-    def __init__(self, where: Path, error: OSError, *, symlink: bool) -> None:
-        super().__init__(f"{where}: {error.strerror or error}")
-        self.where = where
-        self.error = error
-        self.symlink = symlink
+    def all_users(self) -> bool | None:
+        return self.scan.all_users
 
     @property
-    def gone(self) -> bool:
-        """Nothing at the name, or no directory there any more: a glob no longer matches it."""
-        return self.symlink or self.error.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
-
-
-class _Gone(Exception):
-    """A glob's match is no longer a directory there (removed, or replaced by a symlink or file)."""
-
-
-def _open_below(fd: int, base: Path, names: tuple[str, ...], flags: int) -> int:
-    """Open ``names`` (one or more) one by one below ``fd`` (the directory ``base``), never
-    through a symlink.
-
-    Every component is opened relative to the one before it with ``O_NOFOLLOW``: the
-    kernel then refuses a symlink at each of them, which a path lookup would follow
-    anywhere but in its last component. The last is opened with ``flags``.
-    """
-    current = fd
-    where = base
-    try:
-        for depth, name in enumerate(names, 1):
-            where = where / name
-            try:
-                opened = os.open(name, flags if depth == len(names) else _PASS_FLAGS, dir_fd=current)
-            except OSError as e:
-                raise _PathError(where, e, symlink=_is_symlink(current, name)) from None
-            if current != fd:
-                os.close(current)
-            current = opened
-    except BaseException:
-        if current != fd:
-            os.close(current)
-        raise
-    return current
-
-
-def _open_absolute(names: tuple[str, ...], flags: int) -> int:
-    """Open ``/`` + ``names`` with no symlink allowed anywhere in the path."""
-    try:
-        top = os.open("/", _PASS_FLAGS if names else flags)
-    except OSError as e:
-        raise _PathError(Path("/"), e, symlink=False) from None
-    if not names:
-        return top
-    try:
-        return _open_below(top, Path("/"), names, flags)
-    finally:
-        os.close(top)
-
-
-def _is_symlink(dir_fd: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
-    except OSError:
-        return False
-
-
-def _walk(
-    fd: int, steps: tuple[_Step, ...], below: tuple[str, ...] = ()
-) -> Iterator[tuple[tuple[str, ...], int]]:
-    """The directories ``steps`` match below ``fd``, as (names, ``st_dev``); never through a symlink.
-
-    One fd per level is open at a time. What cannot be listed or opened matches nothing, as
-    for ``glob``; neither does a symlink, a file, or a reaper's park directory.
-    """
-    step, rest = steps[0], steps[1:]
-    if step.match is None:
-        names = [step.name]
-    else:
-        try:
-            names = step.select(os.listdir(fd))
-        except OSError:
-            return
-    for name in names:
-        if name.startswith(_PARK_PREFIX):
-            continue
-        if not rest:
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                yield (*below, name), st.st_dev
-            continue
-        try:
-            child = os.open(name, _ROOT_FLAGS if rest[0].match is not None else _PASS_FLAGS, dir_fd=fd)
-        except OSError:
-            continue  # gone, a file, or a symlink (O_NOFOLLOW): nothing below it is a root
-        try:
-            yield from _walk(child, rest, (*below, name))
-        finally:
-            os.close(child)
-
-
-def _root_error(root: Path, error: _PathError) -> RootError:
-    e = error.error
-    if error.symlink:
-        return RootError(
-            root,
-            f"{error.where} is a symbolic link: not followed (a root's path is resolved once, at start)",
-            fix="restart the agent to resolve the path again, or pass the directory itself as --root",
-        )
-    if e.errno == errno.ENOENT:
-        return RootError(root, "does not exist", fix="pass an existing directory as --root")
-    if e.errno == errno.ENOTDIR:
-        return RootError(root, f"{error.where} is not a directory", fix="pass a directory as --root")
-    if e.errno in (errno.EACCES, errno.EPERM):
-        return RootError(root, "permission denied", fix="run as root, or as the user that owns the regions")
-    return RootError(root, f"cannot open {error.where}: {e.strerror or e}")
-
-
-def root_identity(fd: int) -> RootIdentity:
-    """The identity of the directory open as ``fd``: its inode and the mount it is reached through."""
-    st = os.fstat(fd)
-    return RootIdentity(st.st_dev, st.st_ino, syscalls.mount_id(fd))
-
-
-def _filesystem_type(fd: int, mount_id: int | None, mountinfo: Path = mounts.MOUNTINFO) -> str:
-    """What ``fd``'s filesystem is, for a person: its type in the mount table, else its magic number."""
-    if mount_id is not None:
-        with contextlib.suppress(OSError):
-            for mount in mounts.parse_mountinfo(mountinfo.read_bytes()):
-                if mount.mount_id == mount_id:
-                    return mount.fs_type
-    magic = mounts.filesystem_magic(fd)
-    return "an unknown filesystem" if magic is None else f"filesystem magic {magic:#x}"
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """Size and free bytes of a root's filesystem (what ``shutil.disk_usage`` gives)."""
-
-    total: int
-    free: int
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """Something an operator's log should show; ``event`` names its kind."""
-
-    event: ClassVar[str]
-    time: float
-    root: Path | None
-    pod_uid: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class RootAppeared(Event):
-    event: ClassVar[str] = "root_appeared"
-
-
-@dataclass(frozen=True, slots=True)
-class RootVanished(Event):
-    event: ClassVar[str] = "root_vanished"
-
-
-@dataclass(frozen=True, slots=True)
-class RootUnreadable(Event):
-    """The root could not be scanned; told once per spell (again when the error changes)."""
-
-    event: ClassVar[str] = "root_unreadable"
-    error: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RootIdentity:
-    """What a root is, whatever its path names later: its directory's inode and its mount."""
-
-    dev: int
-    ino: int
-    #: The mount's id (``statx``'s ``STATX_MNT_ID``, or ``/proc/self/fdinfo``); None if neither tells.
-    mnt_id: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class RootNoMatch(Event):
-    """A ``--root`` glob matched no directory this pass; told every pass it matches none.
-    ``root`` and ``pod_uid`` are null: there is no root, only the ``pattern``."""
-
-    event: ClassVar[str] = "root_no_match"
-    pattern: str = field(kw_only=True)
-
-
-@dataclass(frozen=True, slots=True)
-class RootResolved(Event):
-    """A path the operator gave (a plain root, or a glob's fixed part) held a symlink or ``..``:
-    resolved once, when the agent started, to ``target``; told once. What ``target`` names
-    is what is watched, and never through a symlink again."""
-
-    event: ClassVar[str] = "root_resolved"
-    target: Path = field(kw_only=True)
-
-
-@dataclass(frozen=True, slots=True)
-class RootReplaced(Event):
-    """Another directory is at the root's path now (``old`` and ``new`` differ): a new root,
-    whose nominations start over."""
-
-    event: ClassVar[str] = "root_replaced"
-    old: RootIdentity = field(kw_only=True)
-    new: RootIdentity = field(kw_only=True)
-
-
-@dataclass(frozen=True, slots=True)
-class RemovalRefused(Event):
-    """With ``--reap``, a root not on a tmpfs or hugetlbfs: scanned, nothing removed. Told once
-    per spell (again when the reason changes)."""
-
-    event: ClassVar[str] = "removal_refused"
-    reason: str = field(kw_only=True)
-
-
-@dataclass(frozen=True, slots=True)
-class Removed(Event):
-    """One engine's region files removed; ``bytes`` is the resident memory freed."""
-
-    event: ClassVar[str] = "removed"
-    engine_id: str = ""
-    bytes: int = 0
-    files: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class KeptUnknown(Event):
-    """A region nobody could prove dead or alive: kept. Told when it becomes unknown."""
-
-    event: ClassVar[str] = "kept_unknown"
-    engine_id: str = ""
-    bytes: int = 0
-    files: int = 0
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class KeptOtherUser(Event):
-    """With ``reap``, an orphaned region with a file of another uid: judged dead, but removed only
-    with ``all_users=True`` (``--all-users``). Told when it becomes orphaned (or its files change)."""
-
-    event: ClassVar[str] = "kept_other_user"
-    engine_id: str = ""
-    bytes: int = 0
-    files: int = 0
-    #: The owners of its files that are not the agent's uid.
-    uids: tuple[int, ...] = ()
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ParkedSettled(Event):
-    """Files a dead reaper left parked (docs/reap-protocol.md), given back their names
-    (``action`` ``restored``: in use, or not provably dead), or left parked because their
-    name was taken meanwhile (``conflict``: both files kept). Those proven dead are removed,
-    and told as ``removed``."""
-
-    event: ClassVar[str] = "parked"
-    engine_id: str = ""
-    action: str = ""
-    bytes: int = 0
-    files: int = 0
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RemovalFailed(Event):
-    """Orphaned files the agent should have removed and could not, for a failure of its own (an
-    errno; a root out of inodes where others may rename): kept, with the reason. Told each
-    time it happens."""
-
-    event: ClassVar[str] = "removal_failed"
-    engine_id: str = ""
-    bytes: int = 0
-    files: int = 0
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class KeptParked(Event):
-    """With ``reap``, an orphaned region not nominated because files of it (same engine, same
-    owner) wait in a reaper's park directory: removed once they are settled. Told when it
-    starts (again if its files change)."""
-
-    event: ClassVar[str] = "kept_parked"
-    engine_id: str = ""
-    bytes: int = 0
-    files: int = 0
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ParkUntrusted(Event):
-    """An entry named like a reaper's park directory that is not one (docs/reap-protocol.md:
-    the trust rules): never entered, renamed or removed, and nothing in it holds back a
-    region. Told once per entry (again if its owner, mode or reason changes)."""
-
-    event: ClassVar[str] = "park_untrusted"
-    name: str = ""
-    kind: str = ""
-    uid: int = 0
-    mode: str = ""
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ParkRemoved(Event):
-    """A park directory a dead reaper left, emptied (or never finished), removed."""
-
-    event: ClassVar[str] = "park_removed"
-    name: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class PassSummary(Event):
-    """The end of a pass: ``orphaned_bytes`` is what orphans still pin after it."""
-
-    event: ClassVar[str] = "pass"
-    roots: int = 0
-    orphaned_bytes: int = 0
-    removed_files: int = 0
-    seconds: float = 0.0
-    errors: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RootScan:
-    """What a pass keeps of one root's scan: numbers, never its entries.
-
-    It shows the root as the pass left it: a file removed in the pass is not counted, a file
-    the removal kept is counted under the verdict the removal found, and what a dead reaper
-    left parked is counted where its settling put it. Its size does not depend on the number
-    of files: a root of 100,000 files is as small here as an empty one.
-    """
-
-    root: Path
-    scanned_at: float
-    #: Files and bytes per verdict, as ``scan``'s summary counts them.
-    summary: ScanSummary
-    #: Resident bytes (st_blocks*512) per verdict, every ``Status`` a key.
-    resident_bytes: Mapping[Status, int]
-    #: The ``top_engines`` engines whose orphaned files pin most memory: (engine id, bytes),
-    #: largest first, ties by engine id. ``orphaned_other_bytes`` is the rest, together.
-    orphaned_engines: tuple[tuple[str, int], ...] = ()
-    orphaned_other_bytes: int = 0
-    #: Apparent size of the largest region (base and segments, any verdict).
-    region_size_max: int = 0
-    #: Bytes of unlinked region files of the root's filesystem still mapped or open.
-    unlinked_mapped_bytes: int = 0
-    #: Regions per verdict, as scan's table counts its rows: an engine's files that share a
-    #: verdict are one region (a base and its segments), under each verdict its files have.
-    regions: Mapping[Status, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class RemovedFile:
-    """A region file a pass removed, by its name in the root."""
-
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class RootReap:
-    """What a pass removed in one root; the ``removed`` and ``parked`` events tell it by engine."""
-
-    removed: tuple[RemovedFile, ...] = ()
-    #: Resident memory of the removed files (st_blocks*512): what the root's mount got back.
-    freed_bytes: int = 0
-    #: Files a dead reaper left parked that got their names back, and that stay parked because
-    #: their name was taken (``ParkedSettled``).
-    restored: int = 0
-    conflicts: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RootPass:
-    """One root's turn in a pass: the scan that shows the disk as the pass left it, or the error."""
-
-    root: Path
-    pod_uid: str | None
-    attempted_at: float
-    scan_seconds: float
-    report: RootScan | None = None
-    usage: Usage | None = None
-    error: RootError | None = None
-    #: When the root was last scanned successfully (this pass, or an earlier one).
-    last_success: float | None = None
-    #: What this pass removed, when something was nominated (or a dead reaper's park settled).
-    reaped: RootReap | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PassReport:
-    """What one pass did. ``vanished`` roots had series before and have none now."""
-
-    number: int
-    started_at: float
-    seconds: float
-    matched: int
-    roots: tuple[RootPass, ...]
-    vanished: tuple[Path, ...]
-    summary: PassSummary
-    stopped: bool = False
+    def assume_not_holding(self) -> frozenset[int]:
+        return self.scan.assume_not_holding
+
+    @property
+    def use_lease(self) -> bool:
+        return self.scan.use_lease
+
+    @property
+    def proc_root(self) -> Path:
+        return self.scan.proc_root
 
 
 #: No region (``_RootState``'s sets, shared by every root that has none).
@@ -740,7 +249,7 @@ _NO_REGIONS: frozenset[bytes] = frozenset()
 class _RootState:
     """What a root's next pass needs from this one; dropped when the root vanishes.
 
-    Regions are remembered by ``_region_key`` (engine id and the identities of its files, in
+    Regions are remembered by ``region_key`` (engine id and the identities of its files, in
     one bytes object): a root of 100,000 orphans is a few MiB of keys, not its entries.
     """
 
@@ -782,14 +291,14 @@ class Watcher:
         self._monotonic = monotonic
         self._roots: dict[Path, _RootState] = {}
         # Resolved once, here: every pass opens what these name, never through a symlink.
-        self._patterns = tuple(_Pattern.of(p) for p in config.roots)
+        self._patterns = tuple(roots.Pattern.of(p) for p in config.roots)
         self._resolutions = {
             pattern.fixed: pattern.target for pattern in self._patterns if pattern.target != pattern.fixed
         }
         self.passes = 0
         self._holders: HolderIndex | None = None
         #: Whose regions may be removed: the agent's uid's, or (``all_users``) everyone's.
-        self._remover = None if config.all_users else os.geteuid()
+        self._remover = None if config.scan.all_users else os.geteuid()
 
     @property
     def watched(self) -> tuple[Path, ...]:
@@ -833,7 +342,7 @@ class Watcher:
         # The fixed part of each glob, open for the pass: its matches are found and opened
         # again below this very directory. One fd per pattern, one more per root being scanned.
         with contextlib.ExitStack() as bases_open:
-            bases = self._open_bases(bases_open)
+            bases = roots.open_bases(self._patterns, bases_open)
             matched = self._match(bases)
             present = {m.path for m in matched}
             vanished = [root for root in self._roots if root not in present]
@@ -885,23 +394,7 @@ class Watcher:
         state = self._roots.pop(root)
         self._emit(RootVanished(self._clock(), root, state.pod_uid))
 
-    def _open_bases(self, stack: contextlib.ExitStack) -> dict[_Pattern, int]:
-        """Each glob's fixed part, as resolved at start, opened with no symlink in its path.
-
-        One that cannot be opened matches nothing this pass, as a glob whose directory is
-        missing matches nothing.
-        """
-        bases: dict[_Pattern, int] = {}
-        for pattern in self._patterns:
-            if pattern.literal or pattern in bases:
-                continue
-            flags = _ROOT_FLAGS if pattern.steps[0].match is not None else _PASS_FLAGS
-            with contextlib.suppress(_PathError):
-                bases[pattern] = _open_absolute(pattern.resolved, flags)
-                stack.callback(os.close, bases[pattern])
-        return bases
-
-    def _match(self, bases: dict[_Pattern, int]) -> list[_Match]:
+    def _match(self, bases: dict[roots.Pattern, int]) -> list[roots.Match]:
         """The roots of this pass, in order, each once.
 
         A plain root is a root whether or not it exists (a missing ``/dev/shm`` is an error to
@@ -909,80 +402,52 @@ class Watcher:
         deleted pod's volume simply stops matching), never a symlink nor anything below one.
         A glob that matches nothing is told (``root_no_match``) every pass it does not.
         """
-        found: dict[Path, _Match] = {}
+        found: dict[Path, roots.Match] = {}
         for pattern in self._patterns:
             if pattern.literal:
                 if pattern.fixed not in found:
-                    found[pattern.fixed] = _Match(pattern.fixed, pattern, (), _device(pattern.resolved))
+                    found[pattern.fixed] = roots.Match(
+                        pattern.fixed, pattern, (), roots.device_of(pattern.resolved)
+                    )
                 continue
             base = bases.get(pattern)
             matches = 0
-            for below, dev in _walk(base, pattern.steps) if base is not None else ():
+            for below, dev in roots.walk(base, pattern.steps) if base is not None else ():
                 matches += 1
                 path = pattern.fixed.joinpath(*below)
                 if path not in found:
-                    found[path] = _Match(path, pattern, below, dev)
+                    found[path] = roots.Match(path, pattern, below, dev)
             if not matches:
                 self._emit(RootNoMatch(self._clock(), None, None, pattern=pattern.text))
         return list(found.values())
 
-    def _pass_holders(self, matched: list[_Match]) -> HolderIndex | None:
+    def _pass_holders(self, matched: list[roots.Match]) -> HolderIndex | None:
         devices = {m.dev for m in matched if m.dev is not None}
         if not devices:
             return None
         try:
-            return collect_holders(self.config.proc_root, devices=devices)
+            return collect_holders(self.config.scan.proc_root, devices=devices)
         except OSError:
             return None  # each root's scan then walks /proc itself and reports what fails
 
-    @contextlib.contextmanager
-    def _opened(self, match: _Match, bases: dict[_Pattern, int]) -> Iterator[int]:
-        """The root's directory, opened with no symlink on the way; closed when its turn ends.
-
-        Raises ``_Gone`` for a glob's match that is no directory there any more, a
-        ``RootError`` for a root that is there and cannot be opened.
-        """
-        try:
-            if match.pattern.literal:
-                fd = _open_absolute(match.pattern.resolved, _ROOT_FLAGS)
-            else:
-                fd = _open_below(bases[match.pattern], match.pattern.fixed, match.below, _ROOT_FLAGS)
-        except _PathError as error:
-            if not match.pattern.literal and error.gone:
-                raise _Gone from None
-            raise _root_error(match.path, error) from None
-        try:
-            yield fd
-        finally:
-            os.close(fd)
-
-    def _still_matches(self, match: _Match, bases: dict[_Pattern, int]) -> bool:
-        try:
-            with self._opened(match, bases):
-                return True
-        except _Gone:
-            return False
-        except RootError:
-            return True
-
-    def _watch_root(self, match: _Match, bases: dict[_Pattern, int]) -> RootPass | None:
+    def _watch_root(self, match: roots.Match, bases: dict[roots.Pattern, int]) -> RootPass | None:
         """Scan (and reap) one root; None when it vanished under us."""
         root = match.path
         state = self._roots[root]
         attempted_at = self._clock()
         started = self._monotonic()
-        tally = _Tally(self.config.top_engines)
+        tally = Tally(self.config.top_engines)
         try:
-            with self._opened(match, bases) as fd:
+            with roots.opened(match, bases) as fd:
                 self._pin(root, state, fd)
                 removable = self._may_remove(root, state, fd)
                 scanned = self._judge(root, state, fd, tally, removable=removable)
                 usage = _usage(root, fd)
-        except _Gone:
+        except roots.Gone:
             self._vanish(root)  # no directory at the name any more: the glob does not match it
             return None
         except (KvOffloadError, OSError) as error:
-            if not match.pattern.literal and not self._still_matches(match, bases):
+            if not match.pattern.literal and not roots.still_matches(match, bases):
                 self._vanish(root)  # a pod deleted, its volume unmounted and removed mid-pass
                 return None
             problem = _as_root_error(root, error)
@@ -1013,7 +478,7 @@ class Watcher:
             reaped=tally.reaped(),
         )
 
-    def _judge(self, root: Path, state: _RootState, fd: int, tally: _Tally, *, removable: bool) -> RootScan:
+    def _judge(self, root: Path, state: _RootState, fd: int, tally: Tally, *, removable: bool) -> RootScan:
         """Judge the root a region at a time (``ScanStream``), remove what was orphaned with the
         same files in the last pass too, and keep only numbers and the next nominations.
 
@@ -1033,16 +498,18 @@ class Watcher:
         untrusted: set[bytes] = set()
         pending: list[tuple[ScanEntry, ...]] = []
         pending_files = 0
-        with ScanStream(
-            root,
-            grace_s=config.grace_s,
-            all_users=config.all_users,
-            assume_not_holding=config.assume_not_holding,
-            use_lease=config.use_lease,
-            proc_root=config.proc_root,
-            holders=None if fresh else self._holders,
-            root_fd=fd,
-        ) as stream:
+        with ScanStream(root, config.scan, holders=None if fresh else self._holders, root_fd=fd) as stream:
+            reaper = RootReaper(
+                root,
+                state.pod_uid,
+                stream,
+                tally,
+                options=config.scan,
+                remover=self._remover,
+                emit=self._emit,
+                clock=self._clock,
+                should_stop=self._should_stop,
+            )
             judged = stream.parked()
             parks, parked = judged.parks, judged.parked
             self._tell_untrusted(root, state, judged.untrusted, untrusted)
@@ -1052,13 +519,13 @@ class Watcher:
             # other is even listed) is not nominated, if they are its own: same engine and owner.
             waiting = _parked_by(parked)
             if removable and any(p.running is False for p in parks) and not self._should_stop():
-                self._settle(root, state, stream, parks, parked, tally)
+                reaper.settle(parks, parked)
             else:
-                for entries in _by_engine(parked).values():
+                for entries in by_engine(parked).values():
                     tally.count(entries)
             for region in stream.regions():
                 if removable and all(e.status is Status.ORPHANED for e in region):
-                    key = _region_key(region)
+                    key = region_key(region)
                     foreign = self._foreign_uids(region)
                     waits = _waiting_for(region, waiting)
                     if foreign:
@@ -1069,8 +536,8 @@ class Watcher:
                     elif key in before and not self._should_stop():
                         pending.append(region)
                         pending_files += len(region)
-                        if pending_files >= _REMOVAL_BATCH_FILES:
-                            self._remove(root, state, stream, pending, tally, orphaned)
+                        if pending_files >= REMOVAL_BATCH_FILES:
+                            reaper.remove(pending, orphaned)
                             pending, pending_files = [], 0
                         continue
                     else:
@@ -1079,7 +546,7 @@ class Watcher:
                     self._tell_unknown(root, state, region, unknown)
                 tally.count(region)
             if pending:
-                self._remove(root, state, stream, pending, tally, orphaned)
+                reaper.remove(pending, orphaned)
             scanned = tally.scan(root, stream)
         # Most roots have neither: one shared empty set, not two new ones per root and pass.
         state.orphaned = frozenset(orphaned) if orphaned else _NO_REGIONS
@@ -1175,127 +642,11 @@ class Watcher:
             )
         )
 
-    def _remove(
-        self,
-        root: Path,
-        state: _RootState,
-        stream: ScanStream,
-        regions: list[tuple[ScanEntry, ...]],
-        tally: _Tally,
-        orphaned: set[bytes],
-    ) -> None:
-        """Remove nominated regions (``reap``'s protocol) and count what the removal kept."""
-        # ``reap`` itself would scan the whole root again and hold every entry of it; its
-        # removal takes the regions this stream has just judged, each proven dead again.
-        done = reaping.remove_regions(
-            stream.dir_fd,
-            [list(r) for r in regions],
-            self.config.proc_root,
-            self.config.assume_not_holding,
-            self._should_stop,
-        )
-        self._tell_removed(root, state, done.removed, tally)
-        self._tell_failed(root, state, done.failed)
-        for engine_id, entries in _by_engine(_still_there(stream.dir_fd, done.kept)).items():
-            if all(e.status is Status.ORPHANED for e in entries):
-                orphaned.add(_region_key(entries))  # kept as it was (stopped, say): next pass
-            # The proof can find what the scan could not see (a file that cannot be opened now).
-            unknown = [e for e in entries if e.status is Status.UNKNOWN]
-            if unknown:
-                self._emit(
-                    KeptUnknown(
-                        self._clock(),
-                        root,
-                        state.pod_uid,
-                        engine_id=engine_id,
-                        bytes=sum(e.resident_bytes for e in unknown),
-                        files=len(unknown),
-                        reason=unknown[0].reason,
-                    )
-                )
-            tally.count(entries)
-
-    def _settle(
-        self,
-        root: Path,
-        state: _RootState,
-        stream: ScanStream,
-        parks: tuple[ParkView, ...],
-        parked: tuple[ScanEntry, ...],
-        tally: _Tally,
-    ) -> None:
-        """Settle what dead reapers left parked, as ``reap`` does before it removes anything."""
-        dead = tuple(e for e in parked if e.parked is not None and not e.parked.reaper_running)
-        done = reaping.Outcome()
-        with park.ParkDir(stream.dir_fd, proc_root=self.config.proc_root) as parking:
-            reaping.settle_parked(
-                stream.dir_fd,
-                dead,
-                parks=[p for p in parks if p.running is False],
-                parking=parking,
-                adopter=park.Adopter(os.geteuid(), self._remover is None),
-                remove_engines=lambda engine_id: True,
-                remove_others=self._remover is None,
-                use_lease=stream.lease_enabled,
-                outcome=done,
-            )
-        conflicts = [e for e in done.kept if e.status is Status.PARKED]
-        for action, settled in (("restored", done.restored), ("conflict", conflicts)):
-            for engine_id, entries in _by_engine(settled).items():
-                self._emit(
-                    ParkedSettled(
-                        self._clock(),
-                        root,
-                        state.pod_uid,
-                        engine_id=engine_id,
-                        action=action,
-                        bytes=sum(e.resident_bytes for e in entries),
-                        files=len(entries),
-                        reason=entries[0].reason,
-                    )
-                )
-        for name in done.parks_removed:
-            self._emit(ParkRemoved(self._clock(), root, state.pod_uid, name=name))
-        tally.restored += len(done.restored)
-        tally.conflicts += len(conflicts)
-        tally.settled = True
-        self._tell_removed(root, state, done.removed, tally)
-        self._tell_failed(root, state, done.failed)
-        # Given back, a file is at its name again; a conflict waits parked; the rest as judged.
-        left = [e for e in parked if e.parked is None or e.parked.reaper_running]
-        for entries in _by_engine([*done.restored, *conflicts, *left]).values():
-            tally.count(entries)
-
-    def _tell_failed(self, root: Path, state: _RootState, failed: Sequence[ScanEntry]) -> None:
-        """``kept_unknown`` is for evidence; a file the agent failed on is told as ``removal_failed``."""
-        for engine_id, entries in _by_engine(failed).items():
-            self._emit(
-                RemovalFailed(
-                    self._clock(),
-                    root,
-                    state.pod_uid,
-                    engine_id=engine_id,
-                    bytes=sum(e.resident_bytes for e in entries),
-                    files=len(entries),
-                    reason=entries[0].reason,
-                )
-            )
-
-    def _tell_removed(self, root: Path, state: _RootState, removed: list[ScanEntry], tally: _Tally) -> None:
-        for engine_id, entries in _by_engine(removed).items():
-            freed = sum(e.resident_bytes for e in entries)
-            self._emit(
-                Removed(
-                    self._clock(), root, state.pod_uid, engine_id=engine_id, bytes=freed, files=len(entries)
-                )
-            )
-            tally.remove(entries)
-
     def _tell_unknown(
         self, root: Path, state: _RootState, region: tuple[ScanEntry, ...], told: set[bytes]
     ) -> None:
         """``kept_unknown`` for a region that became unknown (or changed files since it was told)."""
-        key = _region_key(region)
+        key = region_key(region)
         told.add(key)
         if key in state.unknown:
             return  # told already, and nothing about it changed
@@ -1331,7 +682,7 @@ class Watcher:
         if config.any_filesystem or mounts.memory_filesystem(fd) is not None:
             state.refused = None
             return True
-        kind = _filesystem_type(fd, state.identity.mnt_id if state.identity else None)
+        kind = roots.filesystem_type(fd, state.identity.mnt_id if state.identity else None)
         reason = (
             f"not on a tmpfs or hugetlbfs ({kind}): region files are removed only where they live; "
             "scanned, nothing removed (pass --any-filesystem to remove anyway)"
@@ -1340,103 +691,6 @@ class Watcher:
             state.refused = reason
             self._emit(RemovalRefused(self._clock(), root, state.pod_uid, reason=reason))
         return False
-
-
-#: Files handed to the removal at once: whole regions, about ``reap``'s own batch.
-_REMOVAL_BATCH_FILES = reaping.MAX_BATCH_FILES
-
-
-class _Tally:
-    """One root's numbers, added up a region at a time as the pass leaves it (``RootScan``)."""
-
-    def __init__(self, top_engines: int) -> None:
-        self.files = dict.fromkeys(Status, 0)
-        self.regions = dict.fromkeys(Status, 0)
-        self.resident = dict.fromkeys(Status, 0)
-        self.orphaned_size = 0
-        self.region_size_max = 0
-        self.top_engines = top_engines
-        #: Candidates for the named engines, as (-bytes, engine id): at most twice the names kept.
-        self._engines: list[tuple[int, str]] = []
-        self._other = 0
-        self.removed: list[RemovedFile] = []
-        self.freed = 0
-        self.restored = 0
-        self.conflicts = 0
-        #: A dead reaper's park was settled (the pass reaped, even if nothing went).
-        self.settled = False
-        self._reaped = False
-
-    def count(self, entries: Sequence[ScanEntry]) -> None:
-        """One engine's files as they stand after the pass."""
-        size = 0
-        orphaned: int | None = None
-        for e in entries:
-            self.files[e.status] += 1
-            self.resident[e.status] += e.resident_bytes
-            size += e.size_bytes
-            if e.status is Status.ORPHANED:
-                orphaned = (orphaned or 0) + e.resident_bytes
-                self.orphaned_size += e.size_bytes
-        for status in {e.status for e in entries}:
-            self.regions[status] += 1
-        self.region_size_max = max(self.region_size_max, size)
-        if orphaned is not None:
-            self._engines.append((-orphaned, entries[0].engine_id))
-            if len(self._engines) > 2 * self.top_engines + 64:
-                self._trim()
-
-    def remove(self, entries: Sequence[ScanEntry]) -> None:
-        self._reaped = True
-        self.removed.extend(RemovedFile(e.name) for e in entries)
-        self.freed += sum(e.resident_bytes for e in entries)
-
-    def _trim(self) -> None:
-        self._engines.sort()
-        self._other += sum(-minus for minus, _ in self._engines[self.top_engines :])
-        del self._engines[self.top_engines :]
-
-    def reaped(self) -> RootReap | None:
-        if not (self._reaped or self.settled):
-            return None
-        return RootReap(tuple(self.removed), self.freed, self.restored, self.conflicts)
-
-    def scan(self, root: Path, stream: ScanStream) -> RootScan:
-        self._trim()
-        files, resident = self.files, self.resident
-        summary = ScanSummary(
-            total=sum(files.values()),
-            live=files[Status.LIVE],
-            orphaned=files[Status.ORPHANED],
-            starting=files[Status.STARTING],
-            unknown=files[Status.UNKNOWN],
-            skipped=files[Status.SKIPPED],
-            orphaned_size_bytes=self.orphaned_size,
-            orphaned_resident_bytes=resident[Status.ORPHANED],
-            resident_bytes=sum(b for status, b in resident.items() if status is not Status.SKIPPED),
-            uninspected_processes=len(stream.uninspected),
-            unknown_resident_bytes=resident[Status.UNKNOWN],
-            parked=files[Status.PARKED],
-            parked_resident_bytes=resident[Status.PARKED],
-        )
-        return RootScan(
-            root=root,
-            scanned_at=stream.scanned_at or time.time(),
-            summary=summary,
-            resident_bytes=dict(resident),
-            orphaned_engines=tuple((engine_id, -minus) for minus, engine_id in self._engines),
-            orphaned_other_bytes=self._other,
-            region_size_max=self.region_size_max,
-            unlinked_mapped_bytes=sum(d.mapped_bytes for d in stream.deleted),
-            regions=dict(self.regions),
-        )
-
-
-def _by_engine(entries: Iterable[ScanEntry]) -> dict[str, list[ScanEntry]]:
-    groups: dict[str, list[ScanEntry]] = {}
-    for e in entries:
-        groups.setdefault(e.engine_id, []).append(e)
-    return groups
 
 
 def _parked_by(parked: Iterable[ScanEntry]) -> dict[tuple[str, int], list[ScanEntry]]:
@@ -1457,31 +711,6 @@ def _waiting_for(
     return [p for uid in sorted({e.uid for e in region}) for p in parked.get((engine_id, uid), ())]
 
 
-def _region_key(entries: Sequence[ScanEntry]) -> bytes:
-    """A region in one bytes object: its engine id, NUL, and its files' ``(st_dev, st_ino)``
-    sorted. Equal keys: the same engine with exactly the same files (no id holds a NUL)."""
-    identities = sorted(e.identity for e in entries)
-    packed = struct.pack(f"<{2 * len(identities)}Q", *itertools.chain.from_iterable(identities))
-    return entries[0].engine_id.encode("utf-8", "surrogatepass") + b"\0" + packed
-
-
-def _still_there(dir_fd: int, kept: list[ScanEntry]) -> list[ScanEntry]:
-    """The kept entries whose file is still at its name (a file someone else removed meanwhile is
-    not counted); a parked conflict waits in its park directory, and is."""
-    there = []
-    for e in kept:
-        if e.status is Status.PARKED:
-            there.append(e)
-            continue
-        try:
-            st = os.stat(e.name, dir_fd=dir_fd, follow_symlinks=False)
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == e.identity:
-            there.append(e)
-    return there
-
-
 def _usage(root: Path, fd: int) -> Usage:
     """What ``shutil.disk_usage`` gives, read from the root's fd (never its path again)."""
     try:
@@ -1489,18 +718,6 @@ def _usage(root: Path, fd: int) -> Usage:
     except OSError as e:
         raise RootError(root, f"cannot read its filesystem's size: {e.strerror or e}") from None
     return Usage(vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize)
-
-
-def _device(names: tuple[str, ...]) -> int | None:
-    """``st_dev`` of ``/`` + ``names``, opened with no symlink on the way; None if it cannot be."""
-    try:
-        fd = _open_absolute(names, _PASS_FLAGS)
-    except _PathError:
-        return None
-    try:
-        return os.fstat(fd).st_dev
-    finally:
-        os.close(fd)
 
 
 def _as_root_error(root: Path, error: BaseException) -> RootError:

@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from shmctl.commands.scan import DEFAULT_ROOT, RootOption
+from shmctl.options import DEFAULT_ROOT, RootOption
 
 
 def audit(

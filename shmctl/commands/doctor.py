@@ -12,9 +12,15 @@ from typing import Annotated
 
 import typer
 
-from kvoffload.presets import PRESETS
-from shmctl.commands.init import complete_presets
-from shmctl.commands.scan import DEFAULT_ROOT, JsonOption, RootOption
+from shmctl.options import (
+    DEFAULT_ROOT,
+    JsonOption,
+    PlanGpuBlockSizeOption,
+    PlanKvBytesPerBlockOption,
+    PlanModelOption,
+    PlanWorldSizeOption,
+    RootOption,
+)
 
 
 def doctor(
@@ -28,31 +34,10 @@ def doctor(
             "`init --dry-run` sizes it. Repeatable: every engine of the node.",
         ),
     ] = None,
-    kv_bytes_per_block: Annotated[
-        int | None,
-        typer.Option(
-            "--kv-bytes-per-block",
-            min=1,
-            metavar="BYTES",
-            help="With --plan: KV bytes one worker holds per GPU block, all layers.",
-        ),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            metavar="PRESET",
-            help=f"With --plan: the bytes per block of a well-known model: {' | '.join(PRESETS)}.",
-            autocompletion=complete_presets,
-        ),
-    ] = None,
-    world_size: Annotated[
-        int, typer.Option("--world-size", min=1, metavar="N", help="With --plan: workers per engine.")
-    ] = 1,
-    gpu_block_size: Annotated[
-        int,
-        typer.Option("--gpu-block-size", min=1, metavar="TOKENS", help="With --plan: tokens per GPU block."),
-    ] = 16,
+    kv_bytes_per_block: PlanKvBytesPerBlockOption = None,
+    model: PlanModelOption = None,
+    world_size: PlanWorldSizeOption = 1,
+    gpu_block_size: PlanGpuBlockSizeOption = 16,
     need: Annotated[
         list[str] | None,
         typer.Option(

@@ -4,9 +4,11 @@ from typing import Annotated
 
 import typer
 
+from shmctl.options import JsonOption
+
 
 def faults(
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    json_output: JsonOption = False,
     no_headers: Annotated[
         bool, typer.Option("--no-headers", help="Print rows only: no header line.")
     ] = False,

@@ -20,8 +20,16 @@ from typing import Annotated
 
 import typer
 
-from kvoffload.presets import PRESETS
-from shmctl.commands.scan import DEFAULT_ROOT, AssumeOption, JsonOption, RootOption
+from shmctl.options import (
+    DEFAULT_ROOT,
+    AssumeOption,
+    GpuBlockSizeOption,
+    JsonOption,
+    KvBytesPerBlockOption,
+    ModelOption,
+    RootOption,
+    WorldSizeOption,
+)
 
 
 def _complete_points(incomplete: str) -> list[str]:
@@ -53,12 +61,6 @@ def complete_engines(incomplete: str) -> list[str]:
     return [name for name in ENGINES if name.startswith(incomplete)]
 
 
-def complete_presets(incomplete: str) -> list[str]:
-    from kvoffload.presets import PRESETS
-
-    return [name for name in PRESETS if name.startswith(incomplete)]
-
-
 def init(
     kv_transfer_config: Annotated[
         str | None,
@@ -70,35 +72,10 @@ def init(
             "--config", metavar="FILE", help="The same JSON in a file, or TOML with the same keys (*.toml)."
         ),
     ] = None,
-    world_size: Annotated[
-        int,
-        typer.Option("--world-size", min=1, metavar="N", help="Workers (tensor x pipeline parallel size)."),
-    ] = 1,
-    kv_bytes_per_block: Annotated[
-        int | None,
-        typer.Option(
-            "--kv-bytes-per-block",
-            min=1,
-            metavar="BYTES",
-            help="KV bytes one worker holds per GPU block, all layers (vLLM's worker_kv_bytes_per_block).",
-        ),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            metavar="MODEL",
-            help=f"Compute --kv-bytes-per-block for a well-known model: {' | '.join(PRESETS)}. "
-            "With --engine vllm: the local Hugging Face model directory the engine loads.",
-            autocompletion=complete_presets,
-        ),
-    ] = None,
-    gpu_block_size: Annotated[
-        int,
-        typer.Option(
-            "--gpu-block-size", min=1, metavar="TOKENS", help="Tokens per GPU block (vLLM --block-size)."
-        ),
-    ] = 16,
+    world_size: WorldSizeOption = 1,
+    kv_bytes_per_block: KvBytesPerBlockOption = None,
+    model: ModelOption = None,
+    gpu_block_size: GpuBlockSizeOption = 16,
     replicated_layout: Annotated[
         bool | None,
         typer.Option(

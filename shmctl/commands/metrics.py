@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from shmctl.commands.scan import (
+from shmctl.options import (
     DEFAULT_ROOT,
     AllUsersOption,
     AssumeOption,
     NoLeaseOption,
     OwnOnlyOption,
     RootOption,
-    whose_files,
+    scan_options,
 )
 
 if TYPE_CHECKING:
@@ -58,21 +58,20 @@ def metrics(
     from kvoffload.liveness.scan import scan
     from shmctl.render import metrics as render
 
-    grace_s = parse_duration(grace, option="--grace")
-    whose = whose_files(all_users, own_only)
+    options = scan_options(
+        parse_duration(grace, option="--grace"),
+        all_users=all_users,
+        own_only=own_only,
+        assume_not_holding=assume_not_holding,
+        no_lease=no_lease,
+    )
     if textfile is not None:
         render.check_textfile_directory(textfile)
     exposition = render.Exposition(top_engines=top_engines)
     exposition.add_lease_break_time(lease.break_time_s())
     started = time.monotonic()
     try:
-        report = scan(
-            root,
-            grace_s=grace_s,
-            all_users=whose,
-            assume_not_holding=frozenset(assume_not_holding or ()),
-            use_lease=not no_lease,
-        )
+        report = scan(root, options)
         usage = _disk_usage(root)
     except RootError as error:
         carried = None if textfile is None else render.previous_success(textfile, root)

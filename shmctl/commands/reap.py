@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from shmctl.commands.scan import (
+from shmctl.options import (
     DEFAULT_ROOT,
     AssumeOption,
     BytesOption,
@@ -22,7 +22,7 @@ from shmctl.commands.scan import (
     OwnOnlyOption,
     RemoveAllUsersOption,
     RootOption,
-    whose_files,
+    scan_options,
 )
 
 
@@ -111,20 +111,20 @@ def reap(
             "refusing to remove files without confirmation: stdin is not a terminal",
             fix="pass --yes to confirm, or --dry-run to preview",
         )
-    run = functools.partial(
-        library.reap,
-        root,
-        grace_s=parse_duration(grace, option="--grace"),
-        filters=library.ReapFilter(
-            engine_ids=tuple(engine or ()),
-            owner_pids=tuple(pid or ()),
-            older_than_s=None if older_than is None else parse_duration(older_than, option="--older-than"),
-        ),
-        all_users=whose_files(all_users, own_only),
-        assume_not_holding=frozenset(assume_not_holding or ()),
-        use_lease=not no_lease,
-        any_filesystem=any_filesystem,
+    grace_s = parse_duration(grace, option="--grace")
+    filters = library.ReapFilter(
+        engine_ids=tuple(engine or ()),
+        owner_pids=tuple(pid or ()),
+        older_than_s=None if older_than is None else parse_duration(older_than, option="--older-than"),
     )
+    options = scan_options(
+        grace_s,
+        all_users=all_users,
+        own_only=own_only,
+        assume_not_holding=assume_not_holding,
+        no_lease=no_lease,
+    )
+    run = functools.partial(library.reap, root, options, filters=filters, any_filesystem=any_filesystem)
     show = functools.partial(
         render.reap_report,
         json_output=json_output,

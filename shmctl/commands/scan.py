@@ -4,107 +4,23 @@ Exit status: 0 nothing orphaned, 1 orphans found (or files a dead reap left park
 3 the root cannot be read.
 """
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-
-def _root_path(text: str | Path) -> Path:
-    # Path("") is ".": an empty --root (or SHMCTL_ROOT='') would judge the current directory.
-    if isinstance(text, str) and not text.strip():
-        raise typer.BadParameter("is empty (it would mean the current directory); pass --root /dev/shm")
-    return Path(text)
-
-
-RootOption = Annotated[
-    Path,
-    typer.Option(
-        "--root",
-        envvar="SHMCTL_ROOT",
-        metavar="PATH",
-        help="Directory holding the region files.",
-        show_default=True,
-        # The library reports an unreadable root (exit 3, with a fix); click's own path check
-        # would make it a usage error (exit 2) without one.
-        parser=_root_path,
-    ),
-]
-GraceOption = Annotated[
-    str,
-    typer.Option(
-        "--grace",
-        metavar="DURATION",
-        help="Files changed more recently than this are 'starting', never orphaned (30s, 5m, 1h30m).",
-    ),
-]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
-AllUsersOption = Annotated[
-    bool,
-    typer.Option(
-        "--all-users",
-        help="Judge every user's files: root's default, so a no-op for root; refused to other users.",
-    ),
-]
-#: ``reap`` and ``watch``: root judges every user's files anyway; the flag is what removes them.
-RemoveAllUsersOption = Annotated[
-    bool,
-    typer.Option(
-        "--all-users",
-        help=(
-            "Also remove other users' orphaned files (root only). Without it root judges them "
-            "and leaves them, saying so."
-        ),
-    ),
-]
-OwnOnlyOption = Annotated[
-    bool,
-    typer.Option("--own-only", help="Judge only your own files, even as root (others' are skipped)."),
-]
-AssumeOption = Annotated[
-    list[int] | None,
-    typer.Option(
-        "--assume-not-holding",
-        metavar="PID",
-        help=(
-            "Vouch that PID maps no region although it cannot be inspected. Repeatable. Needed only "
-            "where no write lease can be taken (--no-lease, another uid's files without root)."
-        ),
-    ),
-]
-
-NoLeaseOption = Annotated[
-    bool,
-    typer.Option(
-        "--no-lease",
-        envvar="SHMCTL_NO_LEASE",
-        help=(
-            "Do not take write leases: judge from /proc, locks and owner records alone "
-            "(fail-closed: what they cannot prove stays unknown)."
-        ),
-    ),
-]
-
-BytesOption = Annotated[
-    bool, typer.Option("--bytes", help="Print sizes as exact integers of bytes, not KiB/MiB/GiB.")
-]
-NoHeadersOption = Annotated[
-    bool, typer.Option("--no-headers", help="Print rows only: no header line (the summary is on stderr).")
-]
-
-DEFAULT_ROOT = Path("/dev/shm")
-
-
-def whose_files(all_users: bool, own_only: bool) -> bool | None:
-    """``--all-users`` and ``--own-only`` as the library's ``all_users``: True, False, or None
-    (the default: every user's files as root, your own otherwise)."""
-    from kvoffload.errors import ConfigError
-
-    if all_users and own_only:
-        raise ConfigError(
-            "--own-only", "cannot be combined with --all-users", fix="pass one of them, or neither"
-        )
-    return True if all_users else False if own_only else None
+from shmctl.options import (
+    DEFAULT_ROOT,
+    AllUsersOption,
+    AssumeOption,
+    BytesOption,
+    GraceOption,
+    JsonOption,
+    NoHeadersOption,
+    NoLeaseOption,
+    OwnOnlyOption,
+    RootOption,
+    scan_options,
+)
 
 
 def scan(
@@ -138,13 +54,14 @@ def scan(
     from shmctl.exit import ExitStatus
     from shmctl.render import scan as render
 
-    report = run_scan(
-        root,
-        grace_s=parse_duration(grace, option="--grace"),
-        all_users=whose_files(all_users, own_only),
-        assume_not_holding=frozenset(assume_not_holding or ()),
-        use_lease=not no_lease,
+    options = scan_options(
+        parse_duration(grace, option="--grace"),
+        all_users=all_users,
+        own_only=own_only,
+        assume_not_holding=assume_not_holding,
+        no_lease=no_lease,
     )
+    report = run_scan(root, options)
     render.scan_report(
         report,
         json_output=json_output,

@@ -12,12 +12,12 @@ from typing import Annotated
 
 import typer
 
-from shmctl.commands.scan import (
+from shmctl.options import (
     AssumeOption,
     NoLeaseOption,
     OwnOnlyOption,
     RemoveAllUsersOption,
-    whose_files,
+    scan_options,
 )
 
 DEFAULT_ROOTS = ["/dev/shm"]
@@ -115,7 +115,9 @@ def watch(
     from kvoffload.liveness.watch import WatchConfig, Watcher
     from shmctl.exit import ExitStatus
     from shmctl.render import warning_line
-    from shmctl.render import watch as render
+    from shmctl.render.watch import EventWriter
+    from shmctl.serve.agent import serving
+    from shmctl.serve.state import WatchMetrics
 
     passes = 1 if once else max_passes
     if reap and passes == 1:
@@ -132,10 +134,13 @@ def watch(
         roots=tuple(root or DEFAULT_ROOTS),
         interval_s=interval_s,
         reap=reap,
-        grace_s=parse_duration(grace, option="--grace"),
-        all_users=whose_files(all_users, own_only),
-        assume_not_holding=frozenset(assume_not_holding or ()),
-        use_lease=not no_lease,
+        scan=scan_options(
+            parse_duration(grace, option="--grace"),
+            all_users=all_users,
+            own_only=own_only,
+            assume_not_holding=assume_not_holding,
+            no_lease=no_lease,
+        ),
         any_filesystem=any_filesystem,
         top_engines=top_engines,
     )
@@ -144,10 +149,8 @@ def watch(
     def _stop(signum: int, frame: object) -> None:
         stop.set()
 
-    metrics = render.WatchMetrics(
-        interval_s=interval_s, top_engines=top_engines, top_roots=top_roots, reaping=reap
-    )
-    watcher = Watcher(config, on_event=render.EventWriter(), should_stop=stop.is_set)
+    metrics = WatchMetrics(interval_s=interval_s, top_engines=top_engines, top_roots=top_roots, reaping=reap)
+    watcher = Watcher(config, on_event=EventWriter(), should_stop=stop.is_set)
     # A service stop, Ctrl-C and a closed terminal all end the agent after the current pass.
     # SIGHUP that a caller chose to ignore (nohup) stays ignored.
     stopping = [signal.SIGTERM, signal.SIGINT]
@@ -155,7 +158,7 @@ def watch(
         stopping.append(signal.SIGHUP)
     previous = {sig: signal.signal(sig, _stop) for sig in stopping}
     try:
-        with render.serving(listen, metrics) if listen is not None else contextlib.nullcontext() as bound:
+        with serving(listen, metrics) if listen is not None else contextlib.nullcontext() as bound:
             if bound is not None:
                 warning_line(f"serving /metrics and /healthz on http://{_hostport(*bound)}", note=True)
             watcher.run(max_passes=passes, on_pass=metrics.record)

@@ -31,7 +31,7 @@ from pathlib import Path
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.liveness.audit import AuditReport, ExitReason, StartFailure
 from kvoffload.liveness.holders import DeletedMapping, Holder
-from kvoffload.liveness.scan import ScanEntry
+from kvoffload.liveness.report import ScanEntry
 from shmctl.output_files import (
     INSTEAD,
     check_output,

@@ -53,14 +53,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import RootError
-from kvoffload.liveness.scan import ScanReport, Status
+from kvoffload.liveness.report import ScanReport
+from kvoffload.liveness.scan import Status
 from shmctl.output_files import write_atomically
 from shmctl.render import printable
 from shmctl.render.fixes import unwritable_fix
 
 if TYPE_CHECKING:
+    from kvoffload.liveness.events import RootScan
     from kvoffload.liveness.reap import ReapReport
-    from kvoffload.liveness.watch import RootScan
 
 FILENAME = "shmctl.prom"
 DEFAULT_TOP_ENGINES = 10
@@ -452,7 +453,7 @@ class Exposition:
         label = label_text(str(root))
         if not self.pod_uid_label:
             return [label]
-        from kvoffload.liveness.watch import pod_uid_of
+        from kvoffload.liveness.roots import pod_uid_of
 
         return [label, pod_uid_of(label) or ""]
 

@@ -19,16 +19,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvoffload.liveness.scan import (
-    Evidence,
-    ParkView,
-    ScanEntry,
-    ScanReport,
-    ScanSummary,
-    Status,
-    UntrustedPark,
-    uids_text,
-)
+from kvoffload.liveness.listing import uids_text
+from kvoffload.liveness.park import ParkView, UntrustedPark
+from kvoffload.liveness.report import ScanEntry, ScanReport, ScanSummary
+from kvoffload.liveness.scan import Evidence, Status
 from shmctl.render import (
     Cell,
     Column,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import IO, Any
 
-from kvoffload.liveness.watch import Event
+from kvoffload.liveness.events import Event
 from shmctl.render import json_text, to_jsonable, warning_line, write_utf8
 
 #: Moved to shmctl.serve.agent and shmctl.serve.state; kept here for one release (issue #29).

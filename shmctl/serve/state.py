@@ -20,7 +20,8 @@ from pathlib import Path
 
 from kvoffload.errors import ConfigError
 from kvoffload.liveness import lease
-from kvoffload.liveness.watch import PassReport, RootPass, pod_uid_of
+from kvoffload.liveness.events import PassReport, RootPass
+from kvoffload.liveness.roots import pod_uid_of
 from shmctl.render.metrics import (
     DEFAULT_TOP_ENGINES,
     DEFAULT_TOP_ROOTS,

@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.liveness import lease
 from kvoffload.liveness.reap import reap
-from kvoffload.liveness.scan import ScanReport, Status, scan
+from kvoffload.liveness.report import ScanReport
+from kvoffload.liveness.scan import Status, scan
 from shmctl.render.fixes import unwritable_fix
 from shmctl.render.metrics import OTHER_ENGINES, Exposition, ReapCounters
 from tests.support.hostile import small_tmpfs

@@ -28,7 +28,8 @@ import pytest
 from kvoffload.cpu.shared_offload_region import PAGESIZE, SharedOffloadRegion
 from kvoffload.errors import InsufficientSpaceError
 from kvoffload.liveness.reap import reap
-from kvoffload.liveness.scan import ScanEntry, ScanReport, Status, scan
+from kvoffload.liveness.report import ScanEntry, ScanReport
+from kvoffload.liveness.scan import Status, scan
 from kvoffload.shm import names
 from shmctl.app import main
 from tests.support.hostile import (

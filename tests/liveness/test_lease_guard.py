@@ -1,7 +1,7 @@
 """A lease never stalls an engine: whichever shmctl process stops while it holds one.
 
 While shmctl holds a write lease, an engine's ``open()`` of the file blocks in the kernel
-until the lease goes or ``fs.lease-break-time`` (45 s) passes. ``kvoffload.liveness.guard``
+until the lease goes or ``fs.lease-break-time`` (45 s) passes. ``kvoffload.liveness.watchdog``
 bounds that wait: a watchdog SIGKILLs a stopped, traced or stuck holder once an opener
 waits on it, and Ctrl-Z (``SIGTSTP``) is deferred until the lease is released.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.liveness import guard, lease, prober
+from kvoffload.liveness import lease, prober, watchdog
 from tests.support.procs import REPO, region_path, write_file
 
 #: What an engine's open may wait at most, whatever shmctl process is stopped.
@@ -39,16 +39,16 @@ FILES = 2000
 
 HOLDER = r"""
 import os, sys, time
-from kvoffload.liveness import guard, lease
+from kvoffload.liveness import lease, watchdog
 path, how = sys.argv[1], sys.argv[2]
 with lease.sigio_ignored():
     deadline = time.monotonic() + 30
-    while not guard.status().watching and time.monotonic() < deadline:
+    while not watchdog.status().watching and time.monotonic() < deadline:
         time.sleep(0.005)
     fd = os.open(path, os.O_RDONLY)
     me = os.geteuid()
     if how == "loop":  # hold almost all the time: take, 2 ms busy, release, again
-        print("held", guard.status().watchdog_pid, os.getpgrp(), flush=True)
+        print("held", watchdog.status().watchdog_pid, os.getpgrp(), flush=True)
         while True:
             assert lease.take(fd, me, me).free
             end = time.perf_counter() + 0.002
@@ -56,7 +56,7 @@ with lease.sigio_ignored():
                 pass
             lease.release(fd)
     assert lease.take(fd, me, me).free
-    print("held", guard.status().watchdog_pid, os.getpgrp(), flush=True)
+    print("held", watchdog.status().watchdog_pid, os.getpgrp(), flush=True)
     if how == "spin":  # alive, running, never lets go
         while True:
             pass
@@ -269,7 +269,7 @@ def test_a_stopped_holder_nobody_waits_on_is_left_alone(root: Path, engine_id: s
     with holding(path, "wait") as holder:
         os.kill(holder.pid, signal.SIGSTOP)
         assert wait_for_state(holder.pid, "T") == "T"
-        time.sleep(guard.HOLD_LIMIT_S + 10 * guard.POLL_S)
+        time.sleep(watchdog.HOLD_LIMIT_S + 10 * watchdog.POLL_S)
         assert state(holder.pid) == "T"  # a debugger may keep it as long as no engine needs the file
         waited = timed_open_close(path)  # now an engine does
         assert holder.reap() == -signal.SIGKILL
@@ -286,7 +286,7 @@ def test_ctrl_z_waits_until_the_lease_is_released(root: Path, engine_id: str) ->
         assert state(holder.pid) == "T"
         os.kill(holder.pid, signal.SIGCONT)
         assert wait_for_state(holder.pid, "RS") in ("R", "S")
-    assert waited < 10 * guard.POLL_S
+    assert waited < 10 * watchdog.POLL_S
 
 
 # ---------------------------------------------------------------------------------------
@@ -435,7 +435,7 @@ def test_the_watchdog_is_in_a_session_of_its_own_and_ignores_the_terminals_signa
         os.killpg(holder.pgrp, signal.SIGTSTP)  # Ctrl-Z to the holder's group
         for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
             os.kill(holder.watchdog, signum)
-        time.sleep(4 * guard.POLL_S)
+        time.sleep(4 * watchdog.POLL_S)
         assert state(holder.watchdog) in ("R", "S")
         assert state(holder.pid) == "S"  # holding: its Ctrl-Z waits for the release
         assert {int(fd) for fd in os.listdir(f"/proc/{holder.watchdog}/fd")} <= {0, 1, 2, 3}
@@ -525,8 +525,8 @@ def test_break_time_is_none_where_it_cannot_be_read(tmp_path: Path) -> None:
 def test_a_scan_starts_the_watchdog_only_where_it_probes_a_file(root: Path, engine_id: str) -> None:
     # An empty root (a node with no engine) takes no lease: no watchdog process is spawned.
     probe = (
-        "import sys; from kvoffload.liveness import guard, scan; "
-        "scan.scan(sys.argv[1], grace_s=0); print(guard.status().error or 'started')"
+        "import sys; from kvoffload.liveness import scan, watchdog; "
+        "scan.scan(sys.argv[1], grace_s=0); print(watchdog.status().error or 'started')"
     )
     empty = subprocess.run(
         [sys.executable, "-c", probe, str(root)],

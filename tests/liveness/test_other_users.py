@@ -27,8 +27,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvoffload.liveness.events import KeptOtherUser, Removed
 from kvoffload.liveness.reap import reap
-from kvoffload.liveness.watch import KeptOtherUser, Removed, WatchConfig, Watcher
+from kvoffload.liveness.watch import WatchConfig, Watcher
 from shmctl.render.watch import event_document
 from tests.support.parks import dead_park
 from tests.support.procs import NOBODY, REPO, Child, region_path, write_file

@@ -22,7 +22,8 @@ from kvoffload import procfs
 from kvoffload.liveness.holders import collect_holders
 from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
 from kvoffload.liveness.reap import ReapFilter, reap
-from kvoffload.liveness.scan import ScanReport, Status, scan
+from kvoffload.liveness.report import ScanReport
+from kvoffload.liveness.scan import Status, scan
 from tests.support.hostile import ZombieLeader
 from tests.support.procs import (
     NOBODY,

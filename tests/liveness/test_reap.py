@@ -12,7 +12,8 @@ import pytest
 
 from kvoffload.errors import ConfigError
 from kvoffload.liveness.reap import ReapFilter, ReapReport, reap
-from kvoffload.liveness.scan import ScanEntry, Status
+from kvoffload.liveness.report import ScanEntry
+from kvoffload.liveness.scan import Status
 from kvoffload.shm import owner
 from tests.support.procs import (
     Child,

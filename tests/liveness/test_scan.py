@@ -15,7 +15,8 @@ import pytest
 
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.liveness.lease import LeaseState
-from kvoffload.liveness.scan import Evidence, ScanReport, Status, scan
+from kvoffload.liveness.report import ScanReport
+from kvoffload.liveness.scan import Evidence, ScanOptions, Status, scan
 from kvoffload.shm import owner
 from tests.support.procs import (
     NOBODY,
@@ -31,7 +32,7 @@ from tests.support.procs import (
 
 
 def judge(root: Path, *, all_users: bool | None = None) -> ScanReport:
-    return scan(root, grace_s=0, all_users=all_users)
+    return scan(root, ScanOptions(grace_s=0, all_users=all_users))
 
 
 def test_a_sigkilled_vllm_creator_leaves_an_orphan(root: Path, engine_id: str) -> None:

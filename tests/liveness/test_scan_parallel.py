@@ -22,7 +22,8 @@ import pytest
 
 from kvoffload.liveness import prober
 from kvoffload.liveness.lease import LeaseState
-from kvoffload.liveness.scan import Evidence, ScanReport, Status, scan
+from kvoffload.liveness.report import ScanReport
+from kvoffload.liveness.scan import Evidence, Status, scan
 from tests.liveness.test_liveness_namespaces import (
     AS_HOLDER,
     AS_SCANNER,

@@ -33,7 +33,7 @@ from kvoffload.liveness.namespace import INITIAL_PID_NAMESPACE
 from kvoffload.shm import names
 
 if TYPE_CHECKING:
-    from kvoffload.liveness.scan import ScanEntry, ScanReport
+    from kvoffload.liveness.report import ScanEntry, ScanReport
 
 REPO = Path(__file__).resolve().parents[2]
 #: Every name this test session makes in /dev/shm carries this tag (engine ids, roots), so the

@@ -33,17 +33,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import ConfigError
+from kvoffload.liveness.events import KeptUnknown, PassReport, Removed, RootUnreadable
 from kvoffload.liveness.reap import reap
+from kvoffload.liveness.roots import pod_uid_of
 from kvoffload.liveness.scan import Status
-from kvoffload.liveness.watch import (
-    KeptUnknown,
-    PassReport,
-    Removed,
-    RootUnreadable,
-    WatchConfig,
-    Watcher,
-    pod_uid_of,
-)
+from kvoffload.liveness.watch import WatchConfig, Watcher
 from kvoffload.shm import names
 from shmctl.serve.agent import parse_listen
 from shmctl.serve.state import WatchMetrics

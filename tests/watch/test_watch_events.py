@@ -22,14 +22,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import ConfigError
-from kvoffload.liveness.watch import (
-    KUBELET_DIRECTORIES,
-    Event,
-    PassSummary,
-    RootNoMatch,
-    WatchConfig,
-    Watcher,
-)
+from kvoffload.liveness.events import Event, PassSummary, RootNoMatch
+from kvoffload.liveness.roots import KUBELET_DIRECTORIES
+from kvoffload.liveness.watch import WatchConfig, Watcher
 from shmctl.render.watch import EventWriter
 from shmctl.serve.state import WatchMetrics
 from tests.support.hostile import shmctl

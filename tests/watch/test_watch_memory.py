@@ -30,8 +30,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.errors import RootError
-from kvoffload.liveness.scan import STREAM_CHUNK_FILES, ScanEntry, ScanStream, ScanSummary, Status, scan
-from kvoffload.liveness.watch import PassReport, PassSummary, RootPass, RootReap, RootScan, Usage
+from kvoffload.liveness.events import PassReport, PassSummary, RootPass, RootReap, RootScan, Usage
+from kvoffload.liveness.report import ScanEntry, ScanSummary
+from kvoffload.liveness.scan import STREAM_CHUNK_FILES, ScanStream, Status, scan
 from shmctl.render.metrics import DEFAULT_TOP_ENGINES, DEFAULT_TOP_ROOTS, OTHER_ROOTS
 from shmctl.serve.state import WatchMetrics
 from tests.support.procs import REPO, Child, region_path, write_file

@@ -26,17 +26,16 @@ from typing import Any
 import pytest
 
 from kvoffload.errors import ConfigError
-from kvoffload.liveness.watch import (
+from kvoffload.liveness.events import (
     PassReport,
     RemovalRefused,
     Removed,
     RootReplaced,
     RootResolved,
     RootUnreadable,
-    WatchConfig,
-    Watcher,
-    root_identity,
 )
+from kvoffload.liveness.roots import root_identity
+from kvoffload.liveness.watch import WatchConfig, Watcher
 from kvoffload.shm import mounts
 from shmctl.render.watch import EventWriter
 from tests.support.hostile import shmctl

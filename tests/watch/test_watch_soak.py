@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.liveness.watch import PassReport, WatchConfig, Watcher
+from kvoffload.liveness.events import PassReport
+from kvoffload.liveness.watch import WatchConfig, Watcher
 from shmctl.serve.state import WatchMetrics
 from tests.support.kubelet import VOLUMES, KubeletNode
 from tests.support.procs import REPO, fake_proc, region_path, write_file

@@ -2,11 +2,11 @@
 name back, and the directory goes once empty.
 
 A reaper can be SIGKILLed between any two syscalls. What it leaves is its park directory,
-unlocked, with the files it had moved there under their original names. ``scan`` judges
-each such file (``ParkedView``: its verdict and the ``action`` a reap takes); this module
-does it, for ``reap`` and for each reaping pass of ``shmctl watch``.
+unlocked, with the files it had moved there under their original names. A scan judges
+each such file (``parked``: a ``ParkedView``, its verdict and the ``action`` a reap takes);
+this module does it, for ``reap`` and for each reaping pass of ``shmctl watch``.
 
-Only a **trusted** park is touched (``park.judge``: the exact name, a real 0700 directory on
+Only a **trusted** park is touched (``trust.judge``: the exact name, a real 0700 directory on
 the root's mount, owned by a uid this run may remove files of, holding its reaper's mark).
 It is adopted first: our own lock on it, so that two adopters never act on one directory,
 and the trust checks made again on the locked fd. Then, per region:
@@ -35,8 +35,12 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 
 from kvoffload.liveness import lease, park
+from kvoffload.liveness.listing import uids_text
+from kvoffload.liveness.park.views import ParkView
+from kvoffload.liveness.probe import open_probe_fd
 from kvoffload.liveness.removal import GONE, Outcome, errname, kept
-from kvoffload.liveness.scan import ParkView, ScanEntry, Status, open_probe_fd, uids_text
+from kvoffload.liveness.report import ScanEntry
+from kvoffload.liveness.verdict import Status
 
 _WHY = "a dead reap left it parked; "
 

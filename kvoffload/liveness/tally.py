@@ -1,0 +1,105 @@
+"""One root's numbers in a pass of the agent, added up a region at a time (``RootScan``).
+
+The agent judges a root as a stream (``ScanStream``) and keeps no entry past its region:
+each region is counted here as the pass leaves it (removed, kept, given back), and only the
+counts, the largest orphaned engines and what was removed survive the pass. The engines are
+trimmed to ``top_engines`` as they come, so memory does not grow with the root.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvoffload.liveness.events import RemovedFile, RootReap, RootScan
+from kvoffload.liveness.report import ScanEntry, ScanSummary
+from kvoffload.liveness.scan import ScanStream, Status
+
+__all__ = ["Tally"]
+
+
+class Tally:
+    """One root's numbers, added up a region at a time as the pass leaves it (``RootScan``)."""
+
+    def __init__(self, top_engines: int) -> None:
+        self.files = dict.fromkeys(Status, 0)
+        self.regions = dict.fromkeys(Status, 0)
+        self.resident = dict.fromkeys(Status, 0)
+        self.orphaned_size = 0
+        self.region_size_max = 0
+        self.top_engines = top_engines
+        #: Candidates for the named engines, as (-bytes, engine id): at most twice the names kept.
+        self._engines: list[tuple[int, str]] = []
+        self._other = 0
+        self.removed: list[RemovedFile] = []
+        self.freed = 0
+        self.restored = 0
+        self.conflicts = 0
+        #: A dead reaper's park was settled (the pass reaped, even if nothing went).
+        self.settled = False
+        self._reaped = False
+
+    def count(self, entries: Sequence[ScanEntry]) -> None:
+        """One engine's files as they stand after the pass."""
+        size = 0
+        orphaned: int | None = None
+        for e in entries:
+            self.files[e.status] += 1
+            self.resident[e.status] += e.resident_bytes
+            size += e.size_bytes
+            if e.status is Status.ORPHANED:
+                orphaned = (orphaned or 0) + e.resident_bytes
+                self.orphaned_size += e.size_bytes
+        for status in {e.status for e in entries}:
+            self.regions[status] += 1
+        self.region_size_max = max(self.region_size_max, size)
+        if orphaned is not None:
+            self._engines.append((-orphaned, entries[0].engine_id))
+            if len(self._engines) > 2 * self.top_engines + 64:
+                self._trim()
+
+    def remove(self, entries: Sequence[ScanEntry]) -> None:
+        self._reaped = True
+        self.removed.extend(RemovedFile(e.name) for e in entries)
+        self.freed += sum(e.resident_bytes for e in entries)
+
+    def _trim(self) -> None:
+        self._engines.sort()
+        self._other += sum(-minus for minus, _ in self._engines[self.top_engines :])
+        del self._engines[self.top_engines :]
+
+    def reaped(self) -> RootReap | None:
+        if not (self._reaped or self.settled):
+            return None
+        return RootReap(tuple(self.removed), self.freed, self.restored, self.conflicts)
+
+    def scan(self, root: Path, stream: ScanStream) -> RootScan:
+        self._trim()
+        files, resident = self.files, self.resident
+        summary = ScanSummary(
+            total=sum(files.values()),
+            live=files[Status.LIVE],
+            orphaned=files[Status.ORPHANED],
+            starting=files[Status.STARTING],
+            unknown=files[Status.UNKNOWN],
+            skipped=files[Status.SKIPPED],
+            orphaned_size_bytes=self.orphaned_size,
+            orphaned_resident_bytes=resident[Status.ORPHANED],
+            resident_bytes=sum(b for status, b in resident.items() if status is not Status.SKIPPED),
+            uninspected_processes=len(stream.uninspected),
+            unknown_resident_bytes=resident[Status.UNKNOWN],
+            parked=files[Status.PARKED],
+            parked_resident_bytes=resident[Status.PARKED],
+        )
+        return RootScan(
+            root=root,
+            scanned_at=stream.scanned_at or time.time(),
+            summary=summary,
+            resident_bytes=dict(resident),
+            orphaned_engines=tuple((engine_id, -minus) for minus, engine_id in self._engines),
+            orphaned_other_bytes=self._other,
+            region_size_max=self.region_size_max,
+            unlinked_mapped_bytes=sum(d.mapped_bytes for d in stream.deleted),
+            regions=dict(self.regions),
+        )
