@@ -2,7 +2,9 @@
 
 ``renameat2`` and ``statx`` for park directories and root identities; ``fstatfs`` for the
 filesystem's type; ``madvise``, ``fallocate`` and a ``MAP_FIXED`` ``mmap`` for the region's
-mapping and its pre-fault, with ``address_of`` to name a mapping's address to them.
+mapping and its pre-fault, with ``address_of`` to name a mapping's address to them;
+``pthread_sigmask`` (``SignalMask``) for the lease watchdog, which blocks job-control stops
+while a lease is held.
 
 Each is looked up once, on first use (``ctypes`` costs start-up time that ``shmctl --help``
 must not pay: nothing here imports it before a call), and fails as ``OSError`` with the
