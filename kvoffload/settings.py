@@ -46,7 +46,7 @@ from kvoffload.config import (
 from kvoffload.cpu.policies import KNOWN_POLICIES
 from kvoffload.errors import ConfigError
 from kvoffload.kv_transfer_config import DIGITS_FIX, parse_kv_transfer_config
-from kvoffload.shm.names import validate_engine_id
+from kvoffload.shm.names import DEFAULT_ROOT, validate_engine_id
 from kvoffload.tiering.factory import SecondaryTierFactory
 
 PAGESIZE = mmap.PAGESIZE
@@ -168,7 +168,7 @@ class OffloadingSettings:
     canonical_layout: bool = False
     secondary_tiers: tuple[Mapping[str, Any], ...] = ()
     tier_poll_interval_s: float = 0.001
-    root: Path = Path("/dev/shm")
+    root: Path = DEFAULT_ROOT
     lifetime: Lifetime = "kvoffload"
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
@@ -202,7 +202,7 @@ class OffloadingSettings:
         rank: int = 0,
         gpu_block_size: int = 16,
         replicated_layout: bool = False,
-        root: Path | str = Path("/dev/shm"),
+        root: Path | str = DEFAULT_ROOT,
         lifetime: Lifetime = "kvoffload",
     ) -> OffloadingSettings:
         """Parse vLLM's ``--kv-transfer-config`` (JSON text or an already-parsed mapping)."""
@@ -304,7 +304,7 @@ class OffloadingSettings:
         cls,
         config: OffloadingConfig,
         *,
-        root: Path | str = Path("/dev/shm"),
+        root: Path | str = DEFAULT_ROOT,
         lifetime: Lifetime = "kvoffload",
     ) -> OffloadingSettings:
         """What a spec reads from vLLM's ``OffloadingConfig``, checked.

@@ -22,8 +22,6 @@ from kvoffload.presets import PRESETS
 if TYPE_CHECKING:
     from kvoffload.liveness.scan import ScanOptions
 
-DEFAULT_ROOT = Path("/dev/shm")
-
 
 def _root_path(text: str | Path) -> Path:
     # Path("") is ".": an empty --root (or SHMCTL_ROOT='') would judge the current directory.

@@ -15,6 +15,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.kv_transfer_config import read_kv_transfer_config
 from kvoffload.presets import PRESETS, get_preset
 from kvoffload.settings import Lifetime, OffloadingSettings
+from kvoffload.shm.names import DEFAULT_ROOT
 
 
 def load_config(
@@ -26,7 +27,7 @@ def load_config(
     world_size: int = 1,
     gpu_block_size: int = 16,
     replicated_layout: bool | None = None,
-    root: Path | str = Path("/dev/shm"),
+    root: Path | str = DEFAULT_ROOT,
     lifetime: Lifetime = "kvoffload",
 ) -> OffloadingSettings:
     """The ``OffloadingSettings`` ``shmctl init`` runs: vLLM's JSON (inline or from a file) plus

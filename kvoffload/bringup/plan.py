@@ -26,6 +26,7 @@ from kvoffload.errors import ConfigError, RootError
 from kvoffload.settings import PAGESIZE, OffloadingSettings, OffloadingSizing
 from kvoffload.shm import mounts
 from kvoffload.shm.mounts import HugePages, check_huge_pages
+from kvoffload.shm.names import DEFAULT_ROOT
 
 SCHEMA_VERSION = 1
 MIB = 1 << 20
@@ -428,7 +429,7 @@ def _fix(mount: Path, fs_type: str | None, size: int, used: int, free: int, need
     if size == DOCKER_DEFAULT_SHM:
         hints.append(f"{mount} is 64 MiB, Docker's default --shm-size")
     hints.append(f"it needs {needed - free} more bytes ({want} in all)")
-    if mount == Path("/dev/shm"):
+    if mount == DEFAULT_ROOT:
         hints.append(f"docker run --shm-size={_size_arg(want, 'g', 'm')} (or --ipc=host)")
         hints.append(f"Kubernetes: an emptyDir {{medium: Memory, sizeLimit: {_size_arg(want, 'Gi', 'Mi')}}}")
     if fs_type == "tmpfs":

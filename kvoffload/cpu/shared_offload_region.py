@@ -88,6 +88,7 @@ from kvoffload.errors import (
 )
 from kvoffload.release import Journal, release_all
 from kvoffload.shm import mounts, names
+from kvoffload.shm.names import DEFAULT_ROOT
 from kvoffload.shm.owner import OwnerRecord, read_owner, write_owner
 
 if TYPE_CHECKING:
@@ -96,7 +97,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PAGESIZE = mmap.PAGESIZE
-DEFAULT_ROOT = Path("/dev/shm")
 #: vLLM's name for the minimum segment size (``kvoffload.cpu.segments``), read when a region
 #: is made: a test that replaces it here changes how the next region is split.
 _MIN_SEGMENT_BYTES = MIN_SEGMENT_BYTES

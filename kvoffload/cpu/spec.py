@@ -44,10 +44,11 @@ from kvoffload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
 from kvoffload.cpu.gpu_worker import CPUOffloadingWorker
 from kvoffload.cpu.manager import CPUOffloadingManager
 from kvoffload.cpu.prefault import Progress
-from kvoffload.cpu.shared_offload_region import DEFAULT_ROOT, SharedOffloadRegion
+from kvoffload.cpu.shared_offload_region import SharedOffloadRegion
 from kvoffload.platforms import current_platform
 from kvoffload.release import Journal
 from kvoffload.settings import CPU_SPEC_SEGMENTS, Lifetime, OffloadingSettings
+from kvoffload.shm.names import DEFAULT_ROOT
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,6 @@ from kvoffload.doctor.checks import (
     check_textfile,
 )
 from kvoffload.doctor.facts import (
-    DEFAULT_ROOT,
     MEMORY_FILESYSTEMS,
     CapabilityFacts,
     Facts,
@@ -79,6 +78,7 @@ from kvoffload.doctor.report import SCHEMA_VERSION, DoctorReport, DoctorSummary,
 
 # The huge-pages check's facts are the mount's own report (``kvoffload.shm.mounts``).
 from kvoffload.shm.mounts import HugePages
+from kvoffload.shm.names import DEFAULT_ROOT
 
 __all__ = [
     "CAP_LEASE",

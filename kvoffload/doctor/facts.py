@@ -21,7 +21,6 @@ from kvoffload.liveness import lease
 from kvoffload.shm import mounts
 from kvoffload.shm.mounts import HugePages
 
-DEFAULT_ROOT = Path("/dev/shm")
 MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
 
 

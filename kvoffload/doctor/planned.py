@@ -12,9 +12,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvoffload.doctor.facts import DEFAULT_ROOT, PlannedRegion
+from kvoffload.doctor.facts import PlannedRegion
 from kvoffload.errors import ConfigError
 from kvoffload.shm import mounts
+from kvoffload.shm.names import DEFAULT_ROOT
 
 if TYPE_CHECKING:
     from kvoffload.settings import OffloadingSettings

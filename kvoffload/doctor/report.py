@@ -25,8 +25,9 @@ from kvoffload.doctor.checks import (
     check_space,
     check_textfile,
 )
-from kvoffload.doctor.facts import DEFAULT_ROOT, PlannedRegion, lease_facts, root_facts
+from kvoffload.doctor.facts import PlannedRegion, lease_facts, root_facts
 from kvoffload.shm import mounts
+from kvoffload.shm.names import DEFAULT_ROOT
 
 SCHEMA_VERSION = 1
 

@@ -90,6 +90,7 @@ from kvoffload.liveness.verdict import (
     decide,
 )
 from kvoffload.shm import mounts
+from kvoffload.shm.names import DEFAULT_ROOT
 from kvoffload.shm.owner import OwnerRecord
 
 __all__ = [
@@ -120,7 +121,6 @@ __all__ += [
     "uids_text",
 ]
 
-DEFAULT_ROOT = Path("/dev/shm")
 DEFAULT_GRACE_S = 30.0
 
 

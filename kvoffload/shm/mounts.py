@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload import syscalls
+from kvoffload.shm.names import DEFAULT_ROOT
 
 MOUNTINFO = Path("/proc/self/mountinfo")
 MOUNTS = Path("/proc/self/mounts")
@@ -277,7 +278,7 @@ def huge_pages_advice(info: MountInfo | None, *, factor: float = HUGE_PAGE_SPEED
         f"is about {factor:g}x faster (bench/bench_region.py)",
         f"on the host: {host}",
     ]
-    if info.mount_point == Path("/dev/shm"):
+    if info.mount_point == DEFAULT_ROOT:
         size = str(info.size_bytes) if info.size_bytes else "BYTES"
         hints.append(
             f"Docker passes no huge= to a container's tmpfs (--shm-size or "

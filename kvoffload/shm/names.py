@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvoffload.errors import ConfigError
 
+#: Where vLLM puts region files, and where every shmctl command looks unless told otherwise.
+DEFAULT_ROOT = Path("/dev/shm")
 PREFIX = "vllm_offload_"
 SUFFIX = ".mmap"
 #: vLLM's ``_REGION_SEGMENTS``: a region is at most this many files.

@@ -22,7 +22,8 @@ from typing import Annotated
 
 import typer
 
-from shmctl.options import DEFAULT_ROOT, RootOption
+from kvoffload.shm.names import DEFAULT_ROOT
+from shmctl.options import RootOption
 
 
 def audit(

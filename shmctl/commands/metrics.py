@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from kvoffload.shm.names import DEFAULT_ROOT
 from shmctl.options import (
-    DEFAULT_ROOT,
     AllUsersOption,
     AssumeOption,
     NoLeaseOption,

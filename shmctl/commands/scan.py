@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
+from kvoffload.shm.names import DEFAULT_ROOT
 from shmctl.options import (
-    DEFAULT_ROOT,
     AllUsersOption,
     AssumeOption,
     BytesOption,
