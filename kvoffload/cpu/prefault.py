@@ -43,7 +43,9 @@ from kvoffload import syscalls
 from kvoffload.cpu.segments import Segment
 from kvoffload.errors import ConfigError
 
-log = logging.getLogger(__name__)
+#: The region's own logger, as before the pre-fault had a module of its own: init reports each
+#: participant's log records with their logger's name, and operators' logging configs name it.
+log = logging.getLogger("kvoffload.cpu.shared_offload_region")
 
 PAGESIZE = mmap.PAGESIZE
 #: Bytes per step of a populate walk: the most a thread faults before it reports progress and
