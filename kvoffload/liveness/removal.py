@@ -62,6 +62,7 @@ from pathlib import Path
 from kvoffload.liveness import lease, park
 from kvoffload.liveness.holders import HolderIndex, collect_holders
 from kvoffload.liveness.lease import LeaseState
+from kvoffload.liveness.park.directory import errname
 from kvoffload.liveness.probe import open_probe_fd
 from kvoffload.liveness.report import ScanEntry
 from kvoffload.liveness.scan import Status
@@ -132,10 +133,6 @@ class Outcome:
 
 def kept(entry: ScanEntry, status: Status, reason: str) -> ScanEntry:
     return dataclasses.replace(entry, status=status, reason=reason)
-
-
-def errname(e: OSError) -> str:
-    return errno.errorcode.get(e.errno or 0, e.strerror or str(e))
 
 
 def others_can_rename(root: os.stat_result, file_uids: Iterable[int], euid: int) -> bool:

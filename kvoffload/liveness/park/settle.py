@@ -36,9 +36,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvoffload.liveness import lease, park
 from kvoffload.liveness.listing import uids_text
+from kvoffload.liveness.park.directory import errname
 from kvoffload.liveness.park.views import ParkView
 from kvoffload.liveness.probe import open_probe_fd
-from kvoffload.liveness.removal import GONE, Outcome, errname, kept
+from kvoffload.liveness.removal import GONE, Outcome, kept
 from kvoffload.liveness.report import ScanEntry
 from kvoffload.liveness.verdict import Status
 
