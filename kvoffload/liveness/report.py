@@ -18,7 +18,7 @@ from kvoffload.liveness.lease import LeaseProbe, LeaseState
 from kvoffload.liveness.listing import Listed, child_path, file_kind
 from kvoffload.liveness.namespace import Visibility
 from kvoffload.liveness.park.views import ParkedView, ParkView, UntrustedPark
-from kvoffload.liveness.verdict import Evidence, Status, mtime_age_s
+from kvoffload.liveness.verdict import Evidence, Status, changed_s, mtime_age_s
 from kvoffload.shm.mounts import HugePages
 
 if TYPE_CHECKING:
@@ -39,7 +39,10 @@ __all__ = [
 #: 5: the status ``parked`` and entries' ``parked``; the report ``parks`` and
 #: ``lease_break_time_s``; the summary ``parked`` and ``parked_resident_bytes``.
 #: 6: the report ``untrusted_parks``; parks' ``unfinished`` and ``strangers``.
-SCHEMA_VERSION = 6
+#: 7: entries gained ``changed_age_s`` and ``ctime_ns`` (the age the grace period judges), and
+#: ``removable_in_s`` and ``removable_at`` (when a ``starting`` one leaves the grace period);
+#: the summary ``starting_first_removable_in_s`` and ``starting_last_removable_in_s``.
+SCHEMA_VERSION = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +75,8 @@ class ScanEntry:
     size_bytes: int
     resident_bytes: int
     uid: int
-    #: Seconds since mtime (``ls -l``'s age); the grace period uses the kernel's ctime too.
+    #: Seconds since mtime (``ls -l``'s age, what ``--older-than`` selects on). Anyone may set
+    #: an mtime back (``touch -d``); the grace period judges ``changed_age_s`` instead.
     age_s: float
     dev: int
     ino: int
@@ -91,6 +95,16 @@ class ScanEntry:
     decided_by: Evidence = Evidence.FILE
     #: The file's mtime, exact (``st_mtime_ns``).
     mtime_ns: int = 0
+    #: Seconds since the kernel last saw the file change (``verdict.changed_s``: its ctime,
+    #: which no ``touch`` sets back): the age the grace period judges, and scan's CHANGED.
+    changed_age_s: float = 0.0
+    #: The file's ctime, exact (``st_ctime_ns``).
+    ctime_ns: int = 0
+    #: ``starting`` entries: seconds from ``scanned_at`` until the region leaves the grace
+    #: period (its youngest file's ``changed_age_s`` reaches it); None for any other status.
+    removable_in_s: float | None = None
+    #: ``starting`` entries: the same moment as Unix time; None for any other status.
+    removable_at: float | None = None
     #: Set for ``parked`` entries: ``name`` is then the original name, ``path`` where it waits.
     parked: ParkedView | None = None
 
@@ -116,6 +130,10 @@ class ScanSummary:
     unknown_resident_bytes: int = 0
     parked: int = 0
     parked_resident_bytes: int = 0
+    #: Seconds from the scan until the first and the last ``starting`` region leave the grace
+    #: period (``ScanEntry.removable_in_s``); None when nothing is ``starting``.
+    starting_first_removable_in_s: float | None = None
+    starting_last_removable_in_s: float | None = None
 
     @classmethod
     def of(cls, entries: tuple[ScanEntry, ...], uninspected: int) -> ScanSummary:
@@ -123,6 +141,7 @@ class ScanSummary:
         for e in entries:
             count[e.status] += 1
         orphans = [e for e in entries if e.status is Status.ORPHANED]
+        waits = [e.removable_in_s for e in entries if e.removable_in_s is not None]
         return cls(
             total=len(entries),
             live=count[Status.LIVE],
@@ -137,6 +156,8 @@ class ScanSummary:
             unknown_resident_bytes=sum(e.resident_bytes for e in entries if e.status is Status.UNKNOWN),
             parked=count[Status.PARKED],
             parked_resident_bytes=sum(e.resident_bytes for e in entries if e.status is Status.PARKED),
+            starting_first_removable_in_s=min(waits, default=None),
+            starting_last_removable_in_s=max(waits, default=None),
         )
 
 
@@ -195,8 +216,10 @@ def entry_of(
     owner: OwnerView | None = None,
     probe: Probe | None = None,
     decided_by: Evidence = Evidence.FILE,
+    removable_in_s: float | None = None,
 ) -> ScanEntry:
-    """The entry of a listed file: what its ``lstat`` and its probe said, and the verdict."""
+    """The entry of a listed file: what its ``lstat`` and its probe said, and the verdict
+    (``removable_in_s``: the region's, when it is ``starting``)."""
     st = item.st
     regular = stat.S_ISREG(st.st_mode)
     answer = probe.lease if probe is not None else LeaseProbe(None, "not probed (skipped)")
@@ -213,6 +236,10 @@ def entry_of(
         uid=st.st_uid,
         age_s=mtime_age_s(st, when),
         mtime_ns=st.st_mtime_ns,
+        changed_age_s=changed_s(st, when),
+        ctime_ns=st.st_ctime_ns,
+        removable_in_s=removable_in_s,
+        removable_at=None if removable_in_s is None else when + removable_in_s,
         dev=st.st_dev,
         ino=st.st_ino,
         nlink=st.st_nlink,

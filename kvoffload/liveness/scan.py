@@ -577,6 +577,7 @@ def _judge_group(
             owner=owner if m is base else None,
             probe=probes[m.name],
             decided_by=verdict.decided_by,
+            removable_in_s=verdict.removable_in_s,
         )
         for m in members
     ]

@@ -22,6 +22,7 @@ Only ``orphaned`` is ever reaped. The reason names the evidence that decided it,
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ class Verdict:
     status: Status
     reason: str
     decided_by: Evidence
+    #: ``starting`` only: seconds from the scan until the grace period ends. From then on the
+    #: region is orphaned, and removable, if nobody has opened it meanwhile.
+    removable_in_s: float | None = None
 
 
 def changed_s(st: os.stat_result, when: float) -> float:
@@ -94,8 +98,9 @@ def changed_s(st: os.stat_result, when: float) -> float:
     Never negative, robust to a hand-set future mtime. ctime moves on creation, ftruncate,
     xattr writes and first-touch writes, and only the kernel sets it; mtime is kept in case
     a filesystem lags. This only delays a verdict (the grace period); it never proves death.
-    It is not the AGE operators see (:func:`mtime_age_s`): ``touch -d`` must not turn a
-    region being created right now into an old one.
+    It is the age scan's CHANGED column shows (``ScanEntry.changed_age_s``), so that what an
+    operator reads is what the grace period judges: ``touch -d`` must not turn a region being
+    created right now into an old one. ``ls -l``'s age is :func:`mtime_age_s`.
     """
     changed = st.st_ctime if st.st_mtime > when + CLOCK_SKEW_S else max(st.st_mtime, st.st_ctime)
     return max(0.0, when - changed)
@@ -104,7 +109,7 @@ def changed_s(st: os.stat_result, when: float) -> float:
 def mtime_age_s(st: os.stat_result, when: float) -> float:
     """Seconds since the file's mtime, as ``ls -l``, tmpreaper and systemd-tmpfiles count age.
 
-    What AGE shows and ``--older-than`` selects on; 0 for an mtime in the future.
+    What ``--older-than`` selects on (JSON ``age_s``); 0 for an mtime in the future.
     """
     return max(0.0, when - st.st_mtime_ns / 1e9)
 
@@ -176,10 +181,15 @@ def decide(
     if owner is not None and owner.alive is True:
         return Verdict(Status.UNKNOWN, f"{owner.reason}, yet {nobody}; liveness unproven", Evidence.OWNER)
     if age < grace_s:
+        # Whole seconds as the CHANGED column counts them (down), and the wait rounded up: the
+        # two add up to the grace period, and "removable in" is never early.
+        wait = grace_s - age
         return Verdict(
             Status.STARTING,
-            f"{nobody} yet; changed {age:.0f}s ago, within the {grace_s:g}s grace period",
+            f"{nobody} yet; changed {int(age)}s ago, within the {grace_s:g}s grace period: "
+            f"removable in {math.ceil(wait)}s unless it is opened",
             Evidence.AGE,
+            wait,
         )
     reason = f"empty base file and {nobody}: its creator died before sizing it" if base_empty else nobody
     if owner is not None:

@@ -6,13 +6,19 @@ that share a status), the same columns and rows on a terminal and in a pipe
 (``write_table``); only the row limit differs: a terminal shows ``--limit`` rows (50 by
 default), a pipe every row unless ``--limit`` is given. A header line comes first and a
 summary line last, as ``ls -l`` prints ``total``; ``--no-headers`` drops both, so
-``| wc -l`` and ``| awk`` see region rows only. Engine ids are arbitrary strings: their control characters and
-spaces are escapes in a table (a name cannot forge a line, a column or a terminal
-sequence).
+``| wc -l`` and ``| awk`` see region rows only. Engine ids are arbitrary strings: their
+control characters and spaces are escapes in a table (a name cannot forge a line, a column
+or a terminal sequence).
+
+CHANGED is the one age a table shows: the age the grace period judges (the youngest file's
+ctime, which no ``touch`` sets back), so a ``starting`` row's CHANGED and its "removable in"
+add up to ``--grace``. ``ls -l``'s mtime age is the JSON's ``age_s``, what ``--older-than``
+selects on.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -63,7 +69,7 @@ SCAN_COLUMNS = (
     Column("FILES", right=True),
     Column("SIZE", right=True),
     Column("RESIDENT", right=True),
-    Column("AGE", right=True),
+    Column("CHANGED", right=True),
     Column("HOLDERS"),
     Column("REASON"),
 )
@@ -107,8 +113,9 @@ class _Row:
         return sum(e.size_bytes for e in self.entries)
 
     @property
-    def age(self) -> float:
-        return min(e.age_s for e in self.entries)
+    def changed(self) -> float:
+        """The youngest file's ``changed_age_s``: the age the region's grace period judged."""
+        return min(e.changed_age_s for e in self.entries)
 
     @property
     def holders(self) -> list[Holder]:
@@ -140,7 +147,12 @@ def summary_line(
 ) -> str:
     if not summary.total:
         return f"no region files in {printable(str(root))}"
-    counts = ", ".join(f"{getattr(summary, s.value)} {s.value}" for s in Status if getattr(summary, s.value))
+    wait = _starting_wait(summary)
+    counts = ", ".join(
+        f"{getattr(summary, s.value)} {s.value}" + (f" ({wait})" if s is Status.STARTING and wait else "")
+        for s in Status
+        if getattr(summary, s.value)
+    )
     line = f"{summary.total} region file(s) in {printable(str(root))}: {counts}"
     if summary.orphaned:
         line += (
@@ -148,6 +160,29 @@ def summary_line(
             f"({amount_text(summary.orphaned_size_bytes, exact=exact)} apparent); `{reap}` removes them"
         )
     return line
+
+
+def _starting_wait(summary: ScanSummary) -> str:
+    """When the ``starting`` files leave the grace period: ``removable in 12s to 28s; run again
+    after that``. Empty when nothing is starting."""
+    first, last = summary.starting_first_removable_in_s, summary.starting_last_removable_in_s
+    if first is None or last is None:
+        return ""
+    soonest, latest = _wait_text(first), _wait_text(last)
+    span = soonest if soonest == latest else f"{soonest} to {latest}"
+    return f"removable in {span}; run again after that"
+
+
+def _wait_text(seconds: float) -> str:
+    """A wait, rounded up so that it is never early: ``28s``, ``10m``, ``3h``, ``2d``."""
+    s = math.ceil(seconds)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{math.ceil(s / 60)}m"
+    if s < 172800:
+        return f"{math.ceil(s / 3600)}h"
+    return f"{math.ceil(s / 86400)}d"
 
 
 def _limit(limit: int | None) -> int:
@@ -199,7 +234,7 @@ def scan_report(
             str(len(row.entries)),
             size_text(row.size, exact=exact_bytes),
             size_text(row.resident, exact=exact_bytes),
-            human_age(row.age),
+            human_age(row.changed),
             _holders_text(row.holders),
             printable(row.first.reason),
         )
@@ -386,11 +421,16 @@ def reap_report(
     freed = amount_text(report.freed_bytes, exact=exact_bytes)
     others = _other_users_note(report, exact=exact_bytes)
     quiet = not (report.kept or report.restored or report.parked or report.parks_removed)
+    # Where the summary line is not the scan's own (which says it), the starting files still
+    # say when a reap could take them: an operator who sees them left runs reap again then.
+    wait = _starting_wait(report.summary)
+    starting = f"; {report.summary.starting} starting file(s) left ({wait})" if wait else ""
     if not files and quiet:
         if others:
             line = f"nothing to reap; {others}" + _filter_notes(report, filters_text, exact=exact_bytes)
+            line += starting
         elif report.filtered_out:
-            line = "nothing to reap" + _filter_notes(report, filters_text, exact=exact_bytes)
+            line = "nothing to reap" + _filter_notes(report, filters_text, exact=exact_bytes) + starting
         else:
             line = f"nothing to reap: {summary_line(report.summary, report.root, exact=exact_bytes)}"
     else:
@@ -416,7 +456,7 @@ def reap_report(
             line += f"; {len(report.conflicts)} conflict(s): parked, name taken, nothing removed"
         if others:
             line += f"; {others}"
-        line += _filter_notes(report, filters_text, exact=exact_bytes)
+        line += _filter_notes(report, filters_text, exact=exact_bytes) + starting
     _summary(line, headers=headers)
 
 

@@ -95,7 +95,8 @@ def test_scan_off_a_terminal_prints_aligned_columns_and_a_summary(
     code, out, err = run(capsys, "scan", "--root", str(root), "--grace", "0")
     assert (code, err) == (1, "")
     lines = out.splitlines()
-    assert lines[0].split() == ["STATUS", "ENGINE", "FILES", "SIZE", "RESIDENT", "AGE", "HOLDERS", "REASON"]
+    columns = ["STATUS", "ENGINE", "FILES", "SIZE", "RESIDENT", "CHANGED", "HOLDERS", "REASON"]
+    assert lines[0].split() == columns
     assert lines[1].split()[:3] == ["orphaned", engine_id, "1"]
     assert lines[1].index(engine_id) == lines[0].index("ENGINE")
     assert lines[-1].startswith(f"1 region file(s) in {root}: 1 orphaned; orphans pin ")
