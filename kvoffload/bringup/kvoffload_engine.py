@@ -41,7 +41,7 @@ from typing import Any
 
 from kvoffload.bringup import participant
 from kvoffload.bringup.faultplan import FaultPlan, markers_only
-from kvoffload.bringup.plan import SCHEDULER, WORKER, InitPlan
+from kvoffload.bringup.plan import SCHEDULER, WORKER, InitPlan, require_room
 from kvoffload.bringup.rehearsal import Rehearsal
 from kvoffload.bringup.report import (
     CleanupStep,
@@ -110,7 +110,8 @@ def bring_up(
     ``progress``: called as a participant populates the region. ``skip_release`` (default:
     ``$KVOFFLOAD_INIT_SKIP_RELEASE``) is the test-only switch that makes the workers or the
     scheduler exit without releasing anything.
-    Raises ``ConfigError`` before starting anything when the fault or the config is invalid.
+    Raises ``ConfigError`` before starting anything when the fault or the config is invalid,
+    and ``CapacityError`` (the dry run's capacity rule) when the root cannot hold the region.
     """
     the_plan, fault = request.plan_fault()
     skip = os.environ.get(SKIP_RELEASE_ENV) if skip_release is None else skip_release
@@ -118,6 +119,7 @@ def bring_up(
         raise ConfigError(SKIP_RELEASE_ENV, f"{skip!r} is neither 'worker' nor 'scheduler'")
     if request.idle_timeout_s <= 0:
         raise ConfigError("idle_timeout_s", f"must be positive, got {request.idle_timeout_s:g}")
+    require_room(the_plan)
     require_torch()
     run = _BringUp(
         request,

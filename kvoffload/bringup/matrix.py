@@ -25,7 +25,14 @@ from collections.abc import Callable, Collection, Sequence
 
 from kvoffload.bringup.faultplan import FailMode, Target, build_fault_plan
 from kvoffload.bringup.kvoffload_engine import bring_up, require_torch
-from kvoffload.bringup.plan import CapacityError, check_capacity, plan, size_text
+from kvoffload.bringup.plan import (
+    Capacity,
+    CapacityError,
+    check_capacity,
+    plan,
+    require_room,
+    size_text,
+)
 from kvoffload.bringup.report import (
     SCHEMA_VERSION,
     BringUpOutcome,
@@ -78,8 +85,7 @@ def run_matrix(
     for name in names:
         for mode in parsed:
             build_fault_plan(the_plan, (name,), mode, target_rank, seed)
-    if not the_plan.capacity.fits:
-        raise CapacityError(the_plan.capacity, "each cell of the matrix")
+    require_room(the_plan, "each cell of the matrix")
     vouched = frozenset(assume_not_holding)
     todo = [(name, mode) for name in names for mode in parsed]
     cells: list[MatrixCell] = []
@@ -100,7 +106,12 @@ def run_matrix(
             roundtrip=roundtrip,
             idle_timeout_s=idle_timeout_s,
         )
-        report = bring_up(request, start_method=start_method)
+        try:
+            report = bring_up(request, start_method=start_method)
+        except CapacityError as e:
+            # The root filled up between the check above and the cell's own: the same stop.
+            stopped = _capacity_stop(config, e.capacity, name, mode, cells, len(todo))
+            break
         # Recovered (scanned and reaped) before anyone hears of it, so before the next cell.
         cell = _cell(name, mode, report, vouched)
         cells.append(cell)
@@ -147,6 +158,19 @@ def _stop_before(
     capacity = check_capacity(config.root, sizing.total_bytes, sizing.kv_bytes_per_chunk)
     if capacity.fits:
         return None
+    return _capacity_stop(config, capacity, stage, mode, cells, total)
+
+
+def _capacity_stop(
+    config: OffloadingSettings,
+    capacity: Capacity,
+    stage: str,
+    mode: FailMode,
+    cells: list[MatrixCell],
+    total: int,
+) -> MatrixStop:
+    """The root cannot hold the cell ``stage`` x ``mode``: how much is free, and what cells left."""
+    not_run = total - len(cells)
     left = sum(c.residue.bytes for c in cells if c.leaked)
     blame = f"; earlier cells left {size_text(left)} there" if left else ""
     return MatrixStop(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,7 +161,7 @@ class CapacityError(RootError):
         super().__init__(
             capacity.root,
             f"{size_text(capacity.free_bytes)} free of {size_text(capacity.mount_bytes)}{fs}, "
-            f"{what} needs {size_text(capacity.needed_bytes)}: it does not fit",
+            f"{what} needs {size_text(capacity.needed_bytes)}: it does not fit; nothing was started",
             fix=capacity.fix,
         )
         self.capacity = capacity
@@ -410,8 +411,22 @@ def check_capacity(root: Path, needed: int, chunk_bytes: int) -> Capacity:
         (Path(os.path.realpath(root)), None) if info is None else (info.mount_point, info.fs_type)
     )
     fits = free >= needed
-    fix = None if fits else _fix(mount_point, fs_type, size, used, free, needed, chunk_bytes)
+    fix = None if fits else _fix(root, mount_point, fs_type, size, used, free, needed, chunk_bytes)
     return Capacity(root, mount_point, fs_type, size, used, free, needed, fits, fix)
+
+
+def require_room(the_plan: InitPlan, what: str = "the region") -> None:
+    """Refuse a bring-up whose region the root cannot hold, before any process or file exists.
+
+    The rule is the dry run's own (``the_plan.capacity``, one ``statvfs`` as vLLM's creator
+    checks it), so ``--dry-run`` saying "does not fit" and a real bring-up refusing to start
+    never disagree. Without it a real bring-up started every worker and met vLLM's own check
+    (``InsufficientSpaceError`` at region creation) seconds later, with a fault aimed past
+    that point reported as not fired. That check stays vLLM's, in the region; this one is
+    the rehearsal's, in front of it.
+    """
+    if not the_plan.capacity.fits:
+        raise CapacityError(the_plan.capacity, what)
 
 
 def size_text(n: int) -> str:
@@ -423,7 +438,9 @@ def _size_arg(n: int, big: str, small: str) -> str:
     return f"{math.ceil(n / GIB)}{big}" if n >= GIB else f"{math.ceil(n / MIB)}{small}"
 
 
-def _fix(mount: Path, fs_type: str | None, size: int, used: int, free: int, needed: int, chunk: int) -> str:
+def _fix(
+    root: Path, mount: Path, fs_type: str | None, size: int, used: int, free: int, needed: int, chunk: int
+) -> str:
     want = used + needed
     hints = []
     if size == DOCKER_DEFAULT_SHM:
@@ -437,6 +454,9 @@ def _fix(mount: Path, fs_type: str | None, size: int, used: int, free: int, need
     largest = free // chunk * chunk if chunk > 0 else 0
     if largest > 0:
         hints.append(f"or lower cpu_bytes_to_use to at most {largest}")
+    if used > 0:
+        # Space already taken may be dead engines' regions, the very leak this tool is for.
+        hints.append(f"or remove orphaned regions there: shmctl reap --root {shlex.quote(str(root))}")
     return "; ".join(hints)
 
 

@@ -45,7 +45,7 @@ from typing import Any
 
 from kvoffload import faults
 from kvoffload.bringup.faultplan import FaultPlan, markers_only
-from kvoffload.bringup.plan import InitPlan
+from kvoffload.bringup.plan import InitPlan, require_room
 from kvoffload.bringup.rehearsal import Rehearsal
 from kvoffload.bringup.report import (
     CleanupStep,
@@ -98,7 +98,8 @@ def bring_up_vllm(
 
     ``command`` replaces ``python -m kvoffload.vllm_engine.child`` (a stand-in speaking the same
     protocol, for tests); vLLM is required only without it. Raises ``ConfigError`` before
-    anything starts for an invalid fault, an unreadable model or a missing vLLM.
+    anything starts for an invalid fault, an unreadable model or a missing vLLM, and
+    ``CapacityError`` when the root cannot hold the region (the dry run's rule).
     """
     the_plan, fault = request.plan_fault()
     check_vllm_target(the_plan, fault)
@@ -109,6 +110,9 @@ def bring_up_vllm(
     if command is None:
         require_vllm()
         command = [sys.executable, "-m", "kvoffload.vllm_engine.child"]
+    # The rehearsal's own check, as with kvoffload's processes; vLLM's spec still checks for
+    # itself when it creates the region (InsufficientSpaceError), unchanged.
+    require_room(the_plan)
     run = _VllmBringUp(
         request,
         the_plan,

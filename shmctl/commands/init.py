@@ -11,8 +11,9 @@ every mode, each cell a fresh bring-up).
 Exit status: 0 the contract held (or: it fits, every matrix cell passed); 1 residue left
 behind, a crash left orphans, it does not fit, a matrix cell leaked (a crash cell's files
 the reap kept included); 2 usage or configuration error; 3 init failed for a reason that
-was not injected, a matrix cell failed, the matrix stopped early or its root cannot hold
-one cell; 130 Ctrl-C.
+was not injected, a real bring-up whose root cannot hold the region (refused before any
+process starts, by the dry run's rule), a matrix cell failed, the matrix stopped early or
+its root cannot hold one cell; 130 Ctrl-C.
 """
 
 from pathlib import Path

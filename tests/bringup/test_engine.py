@@ -33,7 +33,15 @@ from kvoffload.bringup import (
     run_matrix,
 )
 from kvoffload.bringup.inputs import load_config
-from kvoffload.bringup.plan import CREATOR_ONLY, MAX_WORLD_SIZE, SCHEDULER, WORKER, plan_stages, stage_sides
+from kvoffload.bringup.plan import (
+    CREATOR_ONLY,
+    MAX_WORLD_SIZE,
+    SCHEDULER,
+    WORKER,
+    CapacityError,
+    plan_stages,
+    stage_sides,
+)
 from kvoffload.bringup.report import ErrorInfo, InitReport, MatrixCell
 from kvoffload.bringup.residue import measure_residue
 from kvoffload.errors import ConfigError, FaultSpecError, InjectedFault, RootError
@@ -245,9 +253,11 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.mark.root
 @pytest.mark.parametrize(("cpu_mib", "fits"), [(2, True), (8, False)])
-def test_capacity_verdict_of_the_dry_run_matches_a_real_attempt(
+def test_capacity_verdict_of_the_dry_run_is_the_real_bring_ups(
     cpu_mib: int, fits: bool, engine_id: str, small_tmpfs: Path
 ) -> None:
+    """One rule: what the dry run says does not fit, a real bring-up refuses before it starts
+    anything (``CapacityError`` carrying the plan's own capacity and fix)."""
     config = make_config(engine_id, small_tmpfs, CPU, cpu_bytes=cpu_mib * MIB)
     p = plan(config)
     assert p.capacity.fits is fits
@@ -256,18 +266,48 @@ def test_capacity_verdict_of_the_dry_run_matches_a_real_attempt(
         "tmpfs",
         4 * MIB,
     )
-    report = bring_up(BringUpRequest(config, roundtrip=False))
-    assert report.residue.paths == ()
     if fits:
+        report = bring_up(BringUpRequest(config, roundtrip=False))
+        assert report.residue.paths == ()
         assert p.capacity.fix is None
         assert report.verdict is BringUpOutcome.OK
-    else:
-        assert p.capacity.fix is not None
-        assert f"mount -o remount,size=8M {small_tmpfs}" in p.capacity.fix
-        assert "cpu_bytes_to_use to at most" in p.capacity.fix
-        assert report.verdict is BringUpOutcome.FAILED
-        assert report.error is not None
-        assert (report.error.type, report.error.injected) == ("InsufficientSpaceError", False)
+        return
+    assert p.capacity.fix is not None
+    assert f"mount -o remount,size=8M {small_tmpfs}" in p.capacity.fix
+    assert "cpu_bytes_to_use to at most" in p.capacity.fix
+    assert "shmctl reap" not in p.capacity.fix  # an empty root has no orphan to reap
+    with pytest.raises(CapacityError) as refused:
+        bring_up(BringUpRequest(config, roundtrip=False))
+    assert refused.value.capacity == p.capacity
+    assert refused.value.fix == p.capacity.fix
+    assert os.listdir(small_tmpfs) == []
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("fail_at", [(), ("region.space",), ("secondary",)], ids=str)
+def test_a_bring_up_the_root_cannot_hold_refuses_whatever_fault_it_was_to_inject(
+    fail_at: tuple[str, ...], engine_id: str, small_tmpfs: Path
+) -> None:
+    """Not a fault "that did not fire" after the workers met vLLM's own space check: refused."""
+    config = make_config(engine_id, small_tmpfs, TIERING, cpu_bytes=8 * MIB)
+    refused = r"the region needs 8\.0 MiB: it does not fit; nothing was started"
+    with pytest.raises(CapacityError, match=refused):
+        bring_up(BringUpRequest(config, fail_at=fail_at, roundtrip=False))
+    assert os.listdir(small_tmpfs) == []
+
+
+@pytest.mark.root
+def test_the_fix_of_a_root_holding_other_files_names_the_reap_of_that_root(
+    engine_id: str, small_tmpfs: Path
+) -> None:
+    """Space already taken may be dead engines' regions: the fix offers the reap."""
+    (small_tmpfs / "taken").write_bytes(b"x" * MIB)
+    try:
+        capacity = plan(make_config(engine_id, small_tmpfs, CPU, cpu_bytes=4 * MIB)).capacity
+    finally:
+        (small_tmpfs / "taken").unlink()
+    assert capacity.fix is not None
+    assert capacity.fix.endswith(f"; or remove orphaned regions there: shmctl reap --root {small_tmpfs}")
 
 
 # ----------------------------------------------------------------- bring-up

@@ -25,6 +25,7 @@ import pytest
 
 from kvoffload import faults
 from kvoffload.bringup import BringUpOutcome, BringUpRequest, bring_up_vllm
+from kvoffload.bringup.plan import CapacityError
 from kvoffload.bringup.vllm_inputs import engine_kv_transfer_config, model_kv_bytes_per_block
 from kvoffload.errors import ConfigError
 from kvoffload.settings import OffloadingSettings
@@ -209,6 +210,23 @@ def test_the_journal_records_each_points_first_firing_and_every_fault(tmp_path: 
     assert done.returncode == 1
     assert [(d["point"], d["action"]) for d in lines] == [("validate", "sleep(0)"), ("worker", "raise")]
     assert {d["pid"] for d in lines} == {lines[0]["pid"]}
+
+
+def test_a_root_that_cannot_hold_the_region_starts_no_engine(
+    root: Path, engine_id: str, model: Path, tmp_path: Path
+) -> None:
+    """The rehearsal's capacity check runs before the engine, as with kvoffload's processes;
+    vLLM's own check at region creation is the engine's, and is not reached."""
+    huge = {**CPU, "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 50}}
+    started = tmp_path / "engine-started"
+    with pytest.raises(CapacityError, match="it does not fit; nothing was started"):
+        bring_up_vllm(
+            BringUpRequest(settings(root, engine_id, model, huge)),
+            model=model,
+            command=["sh", "-c", f"touch {started}"],
+        )
+    assert not started.exists()
+    assert os.listdir(root) == []
 
 
 # ----------------------------------------------------------------- the report, from a real process tree

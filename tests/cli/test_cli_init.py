@@ -30,6 +30,7 @@ from shmctl.app import main
 from tests.support.mounts import mounted_tmpfs
 from tests.support.procs import REPO, leave_orphan, write_file
 from tests.support.terminal import on_a_terminal
+from tests.support.traced import TRACED_ENV, needs_strace
 
 pytest.importorskip("torch")
 
@@ -554,6 +555,50 @@ def test_hold_keeps_the_engine_up_until_ctrl_c_then_tears_it_down(root: Path, en
     assert doc["verdict"] == "ok"
     assert doc["held_s"] > 0
     assert os.listdir(root) == []
+
+
+def _processes_created(trace: str) -> list[str]:
+    """The fork/vfork/clone calls of an ``strace -f`` log that made a process (not a thread)."""
+    calls = re.compile(r"^\d+\s+(fork|vfork|clone3?)\(")
+    return [line for line in trace.splitlines() if calls.match(line) and "CLONE_THREAD" not in line]
+
+
+@needs_strace
+@pytest.mark.parametrize(
+    "argv",
+    [(), ("--fail-at", "secondary"), ("--hold",), ("--json",)],
+    ids=["bring-up", "fail-at", "hold", "json"],
+)
+def test_a_real_init_the_root_cannot_hold_is_one_line_exit_3_before_any_process_or_file(
+    argv: tuple[str, ...], capsys: pytest.CaptureFixture[str], tmp_path: Path, engine_id: str
+) -> None:
+    """The dry run's capacity rule, applied before a worker exists: what is needed, what is
+    free, where, and the dry run's own fix; no process started, nothing created in the root."""
+    with mounted_tmpfs(tmp_path / "shm", "size=8m") as shm:
+        config = kv_config(engine_id, cpu_bytes_to_use=16 * MIB)
+        code, out, _ = init(capsys, shm, config, "--dry-run", "--json")
+        capacity = json.loads(out)["capacity"]
+        assert (code, capacity["fits"]) == (1, False)
+        trace = tmp_path / "strace.log"
+        strace = ["strace", "-f", "-qq", "-o", str(trace), "-e", "trace=fork,vfork,clone,clone3"]
+        shmctl = [sys.executable, "-m", "shmctl", "init", "--kv-transfer-config", config]
+        done = subprocess.run(
+            [*strace, *shmctl, "--kv-bytes-per-block", BYTES_PER_BLOCK, "--root", str(shm), *argv],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=TRACED_ENV,
+            timeout=120,
+            check=False,
+        )
+        assert (done.returncode, done.stdout) == (3, "")
+        assert done.stderr == (
+            f"shmctl: error: {shm}: 8.0 MiB free of 8.0 MiB (tmpfs), the region needs 16.0 MiB: "
+            f"it does not fit; nothing was started (fix: {capacity['fix']})\n"
+        )
+        assert _processes_created(trace.read_text()) == []
+        assert os.listdir(shm) == []
+        assert os.statvfs(shm).f_bfree == os.statvfs(shm).f_blocks
 
 
 # ----------------------------------------------------------------- matrix
