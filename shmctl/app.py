@@ -188,14 +188,23 @@ def _complete_color(incomplete: str) -> list[str]:
     return [mode for mode in COLOR_MODES if mode.startswith(incomplete)]
 
 
-def _set_color(value: str | None) -> str | None:
+def _set_color(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    """``--color``, the root's or a command's: the one given last on the line wins.
+
+    Each command carries its own ``--color`` whose default (``auto``) would otherwise undo
+    the root's (``shmctl --color never doctor``): only a value that was given sets the mode.
+    The root's default resets it, so each run starts from ``auto`` (in-process runs too).
+    """
     if value is None:
         return value
     if value not in COLOR_MODES:
         raise typer.BadParameter(f"{value!r} is not one of auto, always, never", param_hint="'--color'")
-    from shmctl import render
+    source = ctx.get_parameter_source(param.name) if param.name else None
+    given = source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+    if given or ctx.parent is None:
+        from shmctl import render
 
-    render.set_color_mode(value)
+        render.set_color_mode(value)
     return value
 
 
