@@ -56,3 +56,66 @@ def test_an_output_the_system_refuses_is_exit_3_and_a_usage_error_exit_2(tmp_pat
     dash = shmctl("audit", "--root", str(root), "--report", "-", "--", "true")
     assert (missing.returncode, dash.returncode) == (3, 2), (missing.stderr, dash.stderr)
     assert missing.stderr.count("\n") == dash.stderr.count("\n") == 1
+
+
+# --- a bad root names where it came from ---------------------------------------------------
+
+_CONFIG = (
+    '{"kv_connector":"OffloadingConnector","kv_connector_extra_config":'
+    '{"spec_name":"TieringOffloadingSpec","cpu_bytes_to_use":104857600}}'
+)
+#: Every command that takes --root (and SHMCTL_ROOT), with what it needs to reach the root.
+ROOTED_COMMANDS = {
+    "scan": ["scan"],
+    "reap": ["reap", "--dry-run"],
+    "metrics": ["metrics"],
+    "doctor": ["doctor"],
+    "audit": ["audit", "--", "true"],
+    "init": ["init", "--kv-transfer-config", _CONFIG, "--model", "llama-3-8b", "--dry-run"],
+}
+
+
+def _with_root(command: str, root: str) -> list[str]:
+    args = ROOTED_COMMANDS[command]
+    return [args[0], "--root", root, *args[1:]]
+
+
+@pytest.mark.parametrize("command", list(ROOTED_COMMANDS))
+def test_a_bad_shmctl_root_is_named_as_the_variable_with_a_fix_about_it(command: str, tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    done = shmctl(*ROOTED_COMMANDS[command], env={"SHMCTL_ROOT": str(missing)})
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"shmctl: error: SHMCTL_ROOT={missing}: does not exist (fix: set SHMCTL_ROOT to the directory "
+        "that holds the region files, or unset it for /dev/shm)"
+    )
+    assert "pass --root" not in done.stderr
+
+
+@pytest.mark.parametrize("command", list(ROOTED_COMMANDS))
+def test_a_bad_root_option_is_named_as_the_option(command: str, tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    # The flag outranks a good SHMCTL_ROOT: the error must name the flag, not the variable.
+    done = shmctl(*_with_root(command, str(missing)), env={"SHMCTL_ROOT": str(tmp_path)})
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"shmctl: error: --root {missing}: does not exist (fix: pass the directory that holds the "
+        "region files as --root, or leave it out for /dev/shm)"
+    )
+    assert "SHMCTL_ROOT" not in done.stderr
+
+
+def test_a_root_that_is_a_file_keeps_its_own_words_under_the_variable(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    done = shmctl("scan", env={"SHMCTL_ROOT": str(a_file)})
+    assert done.returncode == 3
+    assert done.stderr.startswith(f"shmctl: error: SHMCTL_ROOT={a_file}: is not a directory (fix: set ")
+
+
+def test_another_path_in_an_error_is_not_named_as_the_root(tmp_path: Path) -> None:
+    root, textfile = tmp_path / "root", tmp_path / "no-such-dir"
+    root.mkdir()
+    done = shmctl("metrics", "--textfile", str(textfile), env={"SHMCTL_ROOT": str(root)})
+    assert done.returncode == 3
+    assert done.stderr.startswith(f"shmctl: error: {textfile}: is not a directory"), done.stderr
