@@ -131,11 +131,18 @@ NoLeaseOption = Annotated[
 def whose_files(all_users: bool, own_only: bool) -> bool | None:
     """``--all-users`` and ``--own-only`` as the library's ``all_users``: True, False, or None
     (the default: every user's files as root, your own otherwise)."""
+    import os
+
     from kvoffload.errors import ConfigError
 
     if all_users and own_only:
         raise ConfigError(
             "--own-only", "cannot be combined with --all-users", fix="pass one of them, or neither"
+        )
+    if all_users and os.geteuid() != 0:
+        # Said here with the flag's name: the library's own refusal names its parameter.
+        raise ConfigError(
+            "--all-users", "only root may judge other users' files", fix="run as root, or drop --all-users"
         )
     return True if all_users else False if own_only else None
 

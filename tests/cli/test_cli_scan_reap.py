@@ -248,7 +248,7 @@ def test_all_users_as_non_root_is_a_usage_error(root: Path) -> None:
     with os.fdopen(read_end) as f:
         text = f.read()
     os.waitpid(pid, 0)
-    assert text.startswith("shmctl: error: all_users: only root may judge other users' files")
+    assert text.startswith("shmctl: error: --all-users: only root may judge other users' files")
     assert text.endswith("exit=2\n")
 
 

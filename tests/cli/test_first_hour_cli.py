@@ -9,13 +9,20 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from shmctl.app import main
 from tests.support.hostile import shmctl
+from tests.support.procs import region_path, write_file
+
+NOBODY = 65534
 
 # --- audit's outputs: a FIFO nobody reads -------------------------------------------------
 
@@ -119,3 +126,110 @@ def test_another_path_in_an_error_is_not_named_as_the_root(tmp_path: Path) -> No
     done = shmctl("metrics", "--textfile", str(textfile), env={"SHMCTL_ROOT": str(root)})
     assert done.returncode == 3
     assert done.stderr.startswith(f"shmctl: error: {textfile}: is not a directory"), done.stderr
+
+
+# --- as another user: flags by their names, and what was skipped --------------------------
+
+
+def as_nobody(argv: list[str]) -> tuple[int, str, str]:
+    """``shmctl ARGV`` run in-process in a forked child as uid 65534: (exit, stdout, stderr).
+
+    In-process because this interpreter's files may be private to root; the child imports
+    only what ``main`` already imported here, so it is run once first, as root, to warm up.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to uid 65534")
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    code_r, code_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+            sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+            code = main(argv)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os.write(code_w, str(code).encode())
+            os._exit(0)
+    for fd in (out_w, err_w, code_w):
+        os.close(fd)
+    # Small outputs: each pipe is read to its end in turn, then the child is reaped.
+    with os.fdopen(out_r, errors="replace") as out, os.fdopen(err_r, errors="replace") as err:
+        stdout, stderr = out.read(), err.read()
+    with os.fdopen(code_r) as code_file:
+        code = int(code_file.read())
+    os.waitpid(pid, 0)
+    return code, stdout, stderr
+
+
+def warmed(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+    main(argv)
+    capsys.readouterr()
+    return argv
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("command", ["scan", "metrics"])
+def test_all_users_refused_to_another_user_names_the_flag(
+    command: str, root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = warmed([command, "--root", str(root), "--all-users"], capsys)
+    code, out, err = as_nobody(argv)
+    assert (code, out) == (2, "")
+    assert err == (
+        "shmctl: error: --all-users: only root may judge other users' files "
+        "(fix: run as root, or drop --all-users)\n"
+    )
+
+
+@pytest.fixture
+def roots_files(root: Path, engine_id: str) -> Path:
+    """Three region files owned by root in a root every user may read."""
+    for n in range(3):
+        write_file(region_path(root, f"{engine_id}-{n}"))
+    return root
+
+
+SKIPPED_NOTE = (
+    "shmctl: note: 3 files were skipped because they belong to other users, whose files only root "
+    "can judge: run as root or as their owner to judge them (--own-only skips them without this note)\n"
+)
+
+
+@pytest.mark.root
+def test_other_users_files_skipped_are_said_once_on_stderr(
+    roots_files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = as_nobody(warmed(["scan", "--root", str(roots_files)], capsys))
+    assert code == 0, err
+    assert err == SKIPPED_NOTE
+    assert "note" not in out
+    assert out.rstrip("\n").splitlines()[-1].endswith("3 skipped"), out
+
+
+@pytest.mark.root
+def test_the_skipped_note_stays_off_the_json(roots_files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = as_nobody(warmed(["scan", "--root", str(roots_files), "--json"], capsys))
+    assert (code, err) == (0, SKIPPED_NOTE)
+    assert json.loads(out)["summary"]["skipped"] == 3
+
+
+@pytest.mark.root
+def test_own_only_skips_other_users_files_without_a_note(
+    roots_files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = as_nobody(warmed(["scan", "--root", str(roots_files), "--own-only"], capsys))
+    assert (code, err) == (0, "")
+
+
+def test_root_judges_every_users_files_and_has_nothing_to_note(roots_files: Path) -> None:
+    done = shmctl("scan", "--root", str(roots_files))
+    assert "shmctl: note:" not in done.stderr
