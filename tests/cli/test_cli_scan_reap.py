@@ -143,8 +143,9 @@ def test_a_missing_root_is_a_runtime_error_on_one_line(
 ) -> None:
     code, out, err = run(capsys, "scan", "--root", str(tmp_path / "nope"))
     assert (code, out) == (3, "")
-    assert (
-        err == f"shmctl: error: {tmp_path / 'nope'}: does not exist (fix: pass --root or set SHMCTL_ROOT)\n"
+    assert err == (  # named as it was given (#32)
+        f"shmctl: error: --root {tmp_path / 'nope'}: does not exist (fix: pass the directory that holds "
+        "the region files as --root, or leave it out for /dev/shm)\n"
     )
 
 
