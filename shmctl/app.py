@@ -115,8 +115,8 @@ def _named_by_origin(error: RootError, meta: dict[str, Any]) -> RootError:
     from shmctl.options import root_origin_label
 
     origin = root_origin_label(meta, error.root)
-    if origin is None:
-        return error
+    if origin is None or type(error) is not RootError:
+        return error  # a subclass (CapacityError) is about what the root holds, with its own fix
     label, source = origin
     what = error.message.removeprefix(f"{error.root}: ")
     fix = error.fix
@@ -129,7 +129,7 @@ def _named_by_origin(error: RootError, meta: dict[str, Any]) -> RootError:
             if source == "environment"
             else f"pass {where} as --root, or leave it out for {DEFAULT_ROOT}"
         )
-    # Reworded where it stands: its class (CapacityError, ...) and fields stay the library's.
+    # Reworded where it stands: its fields (root) stay the library's.
     error.message = f"{label}: {what}"
     error.fix = fix
     error.args = (error.message,)
