@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import typer
 import typer.core
 
-from kvoffload.errors import ConfigError, KvOffloadError
+from kvoffload.errors import ConfigError, KvOffloadError, RootError
 from shmctl import commands, helptext
 from shmctl.exit import ExitStatus
 from shmctl.render import error_line
@@ -95,12 +95,45 @@ class _Group(typer.core.TyperGroup):
     def invoke(self, ctx: Any) -> Any:  # a click Context (typer vendors click in recent versions)
         try:
             return super().invoke(ctx)
+        except RootError as e:
+            raise _named_by_origin(e, ctx.meta) from None
         except KeyboardInterrupt as e:
             raise Interrupted(_signal_name(e)) from None
         except BrokenPipeError:
             if _stdout_reader_gone():
                 raise _ClosedPipe() from None
             raise  # a pipe of the library's own (a participant's, a command's): a real error
+
+
+def _named_by_origin(error: RootError, meta: dict[str, Any]) -> RootError:
+    """``error`` naming its root as the operator gave it: ``SHMCTL_ROOT=/nope: does not exist``
+    with a fix about the variable, or ``--root /nope: ...``; as it was for the default root.
+
+    The library names the path and offers both ways to change it; only the CLI knows which
+    one the bad value came through.
+    """
+    from shmctl.options import root_origin_label
+
+    origin = root_origin_label(meta, error.root)
+    if origin is None or type(error) is not RootError:
+        return error  # a subclass (CapacityError) is about what the root holds, with its own fix
+    label, source = origin
+    what = error.message.removeprefix(f"{error.root}: ")
+    fix = error.fix
+    if fix is None or "--root" in fix or "SHMCTL_ROOT" in fix:
+        from kvoffload.shm.names import DEFAULT_ROOT
+
+        where = "the directory that holds the region files"
+        fix = (
+            f"set SHMCTL_ROOT to {where}, or unset it for {DEFAULT_ROOT}"
+            if source == "environment"
+            else f"pass {where} as --root, or leave it out for {DEFAULT_ROOT}"
+        )
+    # Reworded where it stands: its fields (root) stay the library's.
+    error.message = f"{label}: {what}"
+    error.fix = fix
+    error.args = (error.message,)
+    return error
 
 
 class _Commands(MutableMapping[str, Any]):
@@ -188,14 +221,23 @@ def _complete_color(incomplete: str) -> list[str]:
     return [mode for mode in COLOR_MODES if mode.startswith(incomplete)]
 
 
-def _set_color(value: str | None) -> str | None:
+def _set_color(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    """``--color``, the root's or a command's: the one given last on the line wins.
+
+    Each command carries its own ``--color`` whose default (``auto``) would otherwise undo
+    the root's (``shmctl --color never doctor``): only a value that was given sets the mode.
+    The root's default resets it, so each run starts from ``auto`` (in-process runs too).
+    """
     if value is None:
         return value
     if value not in COLOR_MODES:
         raise typer.BadParameter(f"{value!r} is not one of auto, always, never", param_hint="'--color'")
-    from shmctl import render
+    source = ctx.get_parameter_source(param.name) if param.name else None
+    given = source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+    if given or ctx.parent is None:
+        from shmctl import render
 
-    render.set_color_mode(value)
+        render.set_color_mode(value)
     return value
 
 

@@ -30,6 +30,32 @@ def _root_path(text: str | Path) -> Path:
     return Path(text)
 
 
+#: Where ``ctx.meta`` keeps the root a command was given and where it came from: the app
+#: names the root in an error the way the operator gave it (``SHMCTL_ROOT=/nope``, ``--root``).
+ROOT_ORIGIN = "shmctl.root_origin"
+
+
+def _note_root_origin(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) -> Path | None:
+    source = ctx.get_parameter_source(param.name) if param.name else None
+    if value is not None and source is not None:
+        ctx.meta[ROOT_ORIGIN] = (source.name, value)  # meta is shared with the root's context
+    return value
+
+
+def root_origin_label(meta: dict[str, Any], root: Path) -> tuple[str, str] | None:
+    """How the operator gave ``root``: ``("SHMCTL_ROOT=/nope", "environment")`` or
+    ``("--root /nope", "option")``; None for the default, or for another path."""
+    origin = meta.get(ROOT_ORIGIN)
+    if origin is None or Path(origin[1]) != Path(root):
+        return None
+    source, value = origin
+    if source == "ENVIRONMENT":
+        return f"SHMCTL_ROOT={value}", "environment"
+    if source == "COMMANDLINE":
+        return f"--root {value}", "option"
+    return None
+
+
 RootOption = Annotated[
     Path,
     typer.Option(
@@ -41,6 +67,7 @@ RootOption = Annotated[
         # The library reports an unreadable root (exit 3, with a fix); click's own path check
         # would make it a usage error (exit 2) without one.
         parser=_root_path,
+        callback=_note_root_origin,
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
@@ -104,11 +131,18 @@ NoLeaseOption = Annotated[
 def whose_files(all_users: bool, own_only: bool) -> bool | None:
     """``--all-users`` and ``--own-only`` as the library's ``all_users``: True, False, or None
     (the default: every user's files as root, your own otherwise)."""
+    import os
+
     from kvoffload.errors import ConfigError
 
     if all_users and own_only:
         raise ConfigError(
             "--own-only", "cannot be combined with --all-users", fix="pass one of them, or neither"
+        )
+    if all_users and os.geteuid() != 0:
+        # Said here with the flag's name: the library's own refusal names its parameter.
+        raise ConfigError(
+            "--all-users", "only root may judge other users' files", fix="run as root, or drop --all-users"
         )
     return True if all_users else False if own_only else None
 

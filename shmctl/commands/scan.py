@@ -4,7 +4,8 @@ Exit status: 0 nothing orphaned, 1 orphans found (or files a dead reap left park
 3 the root cannot be read.
 """
 
-from typing import Annotated
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,6 +22,9 @@ from shmctl.options import (
     RootOption,
     scan_options,
 )
+
+if TYPE_CHECKING:
+    from kvoffload.liveness.report import ScanEntry
 
 
 def scan(
@@ -70,9 +74,27 @@ def scan(
         exact_bytes=exact_bytes,
         headers=not no_headers,
     )
+    if not own_only:  # --own-only chose to skip them: nothing to say
+        _note_others_skipped(report.entries)
     unsettled = any(e.parked is not None and not e.parked.reaper_running for e in report.entries)
     found = unsettled or bool(report.with_status(Status.ORPHANED))
     raise typer.Exit(ExitStatus.FINDINGS if found else ExitStatus.OK)
+
+
+def _note_others_skipped(entries: "Sequence[ScanEntry]") -> None:
+    """One line on stderr when other users' files were skipped: exit 0 and ``N skipped`` alone
+    read as "all clear" to a user who cannot judge them (only root can: ``--own-only``)."""
+    from kvoffload.liveness.scan import Status
+    from shmctl.render import warning_line
+
+    others = sum(1 for e in entries if e.status is Status.SKIPPED and "owned by uid " in e.reason)
+    if others:
+        files = "1 file was" if others == 1 else f"{others} files were"
+        warning_line(
+            f"{files} skipped because they belong to other users, whose files only root can judge: "
+            "run as root or as their owner to judge them (--own-only skips them without this note)",
+            note=True,
+        )
 
 
 def register(app: typer.Typer) -> None:

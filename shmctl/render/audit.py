@@ -26,7 +26,9 @@ import socket
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
+from contextlib import ExitStack
 from pathlib import Path
+from types import TracebackType
 
 from kvoffload.errors import ConfigError, KvOffloadError
 from kvoffload.liveness.audit import AuditReport, ExitReason, StartFailure
@@ -34,7 +36,9 @@ from kvoffload.liveness.holders import DeletedMapping, Holder
 from kvoffload.liveness.report import ScanEntry
 from shmctl.output_files import (
     INSTEAD,
+    HeldOutput,
     check_output,
+    hold_output,
     in_place,
     own_fd,
     replaced_path,
@@ -51,6 +55,7 @@ from shmctl.render.fixes import unwritable_fix
 __all__ = [
     "PREFIX",
     "SUITE",
+    "AuditOutputs",
     "check_output",
     "check_outputs",
     "junit_xml",
@@ -329,26 +334,64 @@ def _deleted_case(d: DeletedMapping, root: str) -> ET.Element:
 # --- the output files ------------------------------------------------------------------
 
 
-def check_outputs(report: Path | None, junit: Path | None) -> None:
+class AuditOutputs:
+    """The ``--report`` and ``--junit`` outputs, checked before the command runs; a FIFO's
+    write end is held open from then until ``write`` (``shmctl.output_files.hold_output``).
+    A context manager: ``close`` (idempotent) lets go of what ``write`` did not use."""
+
+    def __init__(self, report: HeldOutput | None, junit: HeldOutput | None) -> None:
+        self._outputs = ((report, "--report", report_json), (junit, "--junit", junit_xml))
+
+    def write(self, report: AuditReport) -> None:
+        """Write the report and the JUnit file; a failure to write one still writes the other."""
+        failed: KvOffloadError | None = None
+        for output, option, render in self._outputs:
+            if output is None:
+                continue
+            path = output.path
+            try:
+                output.write(render(report))
+            except OSError as e:
+                where = path if own_fd(path) is not None or in_place(path) else replaced_path(path).parent
+                failed = failed or KvOffloadError(
+                    f"{option} {path}: cannot write: {e.strerror or e}",
+                    fix=unwritable_fix(e, where, instead=INSTEAD),
+                )
+        if failed is not None:
+            raise failed
+
+    def close(self) -> None:
+        for output, _, _ in self._outputs:
+            if output is not None:
+                output.close()
+
+    def __enter__(self) -> AuditOutputs:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def check_outputs(report: Path | None, junit: Path | None) -> AuditOutputs:
+    """Refuse outputs that cannot be written before anything runs: two names of one file is a
+    usage error (exit 2); a path the system refuses, a FIFO nobody reads included, is an
+    ``OutputError`` (exit 3)."""
     if report is not None and junit is not None and same_file(report, junit):
         raise ConfigError("--junit", f"{junit} is also the --report file", fix="give each its own file")
-    check_output(report, "--report")
-    check_output(junit, "--junit")
+    with ExitStack() as held:
+        outputs = AuditOutputs(
+            None if report is None else held.enter_context(hold_output(report, "--report")),
+            None if junit is None else held.enter_context(hold_output(junit, "--junit")),
+        )
+        held.pop_all()
+    return outputs
 
 
 def write_outputs(report: AuditReport, *, report_path: Path | None, junit_path: Path | None) -> None:
-    """Write the report and the JUnit file; a failure to write one still writes the other."""
-    failed: KvOffloadError | None = None
-    for path, option, render in ((report_path, "--report", report_json), (junit_path, "--junit", junit_xml)):
-        if path is None:
-            continue
-        try:
-            write_output(path, render(report))
-        except OSError as e:
-            where = path if own_fd(path) is not None or in_place(path) else replaced_path(path).parent
-            failed = failed or KvOffloadError(
-                f"{option} {path}: cannot write: {e.strerror or e}",
-                fix=unwritable_fix(e, where, instead=INSTEAD),
-            )
-    if failed is not None:
-        raise failed
+    """Write the report and the JUnit file to paths not held (``AuditOutputs.write``)."""
+    AuditOutputs(
+        None if report_path is None else HeldOutput(report_path),
+        None if junit_path is None else HeldOutput(junit_path),
+    ).write(report)

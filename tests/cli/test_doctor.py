@@ -444,8 +444,12 @@ def test_a_failing_node_exits_1_and_its_json_validates(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("root_arg", "code", "message"),
     [
-        ("/nonexistent/kvtest-root", 3, "shmctl: error: /nonexistent/kvtest-root: does not exist (fix: "),
-        (sys.executable, 3, f"shmctl: error: {sys.executable}: is not a directory (fix: "),
+        (
+            "/nonexistent/kvtest-root",
+            3,
+            "shmctl: error: --root /nonexistent/kvtest-root: does not exist (fix: ",
+        ),
+        (sys.executable, 3, f"shmctl: error: --root {sys.executable}: is not a directory (fix: "),
         ("", 2, "shmctl: error: Invalid value for '--root'"),
     ],
     ids=["missing", "a-file", "empty"],

@@ -222,7 +222,7 @@ def test_a_root_that_cannot_be_read_exports_scan_success_0_and_exits_3(
     after = time.time()
 
     assert result.returncode == 3
-    assert result.stderr.startswith(f"shmctl: error: {root}: {problem} (fix: ")
+    assert result.stderr.startswith(f"shmctl: error: --root {root}: {problem} (fix: ")
     assert result.stderr.count("\n") == 1
     got = parse(result.stdout)
     ran = got.pop(series("shmctl_last_run_timestamp_seconds", root=str(root)))
@@ -251,7 +251,7 @@ def test_a_failed_run_replaces_the_textfile_and_carries_the_last_success_over(
     failed = shmctl("metrics", "--root", str(root), "--textfile", str(out_dir))
 
     assert (failed.returncode, failed.stdout) == (3, "")
-    assert failed.stderr.startswith(f"shmctl: error: {root}: does not exist")
+    assert failed.stderr.startswith(f"shmctl: error: --root {root}: does not exist")
     assert os.listdir(out_dir) == ["shmctl.prom"]
     now = parse((out_dir / "shmctl.prom").read_text())
     assert now[series("shmctl_scan_success", root=str(root))] == 0
