@@ -114,7 +114,9 @@ install-units:
 # that runs images from this builder's store `kubectl apply -f deploy/kubernetes/` follows it.
 # Elsewhere push it (docs/deployment.md). With VLLM_IMAGE=<a pinned vLLM image>, also the
 # per-pod example's engine image (deploy/docker/vllm.Dockerfile), tagged $(VLLM_WITH_SHMCTL).
-# Docker when its daemon answers, else podman; CONTAINER_TOOL=... picks one.
+# Docker when its daemon answers, else podman; CONTAINER_TOOL=... picks one. A tool is asked
+# first (`TOOL version`, which needs its daemon): one that is installed but does not answer is
+# one line with the fix, not docker's own errors from a build that cannot start.
 VERSION          := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 IMAGE            ?= shmctl:$(VERSION)
 VLLM_IMAGE       ?=
@@ -122,12 +124,28 @@ VLLM_WITH_SHMCTL ?= vllm-with-shmctl:$(VERSION)
 CONTAINER_TOOL   ?=
 
 image:
-	@tool="$(CONTAINER_TOOL)"; \
+	@tool=; down=; why=; \
+	for candidate in $(or $(CONTAINER_TOOL),docker podman); do \
+	  command -v "$$candidate" >/dev/null 2>&1 || continue; \
+	  if said=$$("$$candidate" version 2>&1 >/dev/null); then tool=$$candidate; break; fi; \
+	  if [ -z "$$down" ]; then \
+	    down=$$candidate; \
+	    why=$$(printf '%s\n' "$$said" | sed -n 's/[.] Is the docker daemon running?$$//; /./h; $${x;p;}'); \
+	  fi; \
+	done; \
+	if [ -z "$$tool" ] && [ -n "$$down" ]; then \
+	  case $$down in \
+	    podman) start="podman machine start, or systemctl --user start podman.socket for a remote podman";; \
+	    *) start="systemctl start $$down";; \
+	  esac; \
+	  echo "make image: $$down is installed but its daemon does not answer ($${why:-no reason given}); start it ($$start) or build elsewhere (fix: any OCI builder on ./Dockerfile, tagged $(IMAGE))" >&2; \
+	  exit 2; \
+	fi; \
+	if [ -z "$$tool" ] && [ -n "$(CONTAINER_TOOL)" ]; then \
+	  echo "make image: CONTAINER_TOOL=$(CONTAINER_TOOL) is not installed (fix: install it, or leave CONTAINER_TOOL unset for docker or podman)" >&2; exit 2; \
+	fi; \
 	if [ -z "$$tool" ]; then \
-	  if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then tool=docker; \
-	  elif command -v podman >/dev/null 2>&1; then tool=podman; \
-	  elif command -v docker >/dev/null 2>&1; then tool=docker; \
-	  else echo "make image: neither docker nor podman is installed (fix: install one, or build ./Dockerfile with any OCI builder, tagged $(IMAGE))" >&2; exit 2; fi; \
+	  echo "make image: neither docker nor podman is installed (fix: install one, or build ./Dockerfile with any OCI builder, tagged $(IMAGE))" >&2; exit 2; \
 	fi; \
 	set -x; \
 	"$$tool" build --file Dockerfile --tag "$(IMAGE)" . && \

@@ -24,16 +24,24 @@ Values are exact: the client writes every number with ``repr`` (Go's exponent fo
 on, as node_exporter does), so sizes keep every byte below 2**53 and ``time.time()`` keeps
 every digit: ``1.7961079161234567e+09``, never ``:g``'s six significant digits.
 
-Label values are the scan's own text (engine ids and roots come from file names) as
-``label_text`` makes it: what ``printable`` escapes for a terminal is written as that escape
-(``\\x1b``, ``\\u202e``, and ``\\udcXX`` for a byte that is not UTF-8, as ``scan --json``
-writes it); the client then escapes ``\\``, ``"`` and newlines, the only escapes the format
-has. The exposition's own bytes cannot do it: a raw ESC, C1 or bidi control is valid in a label
-value (text format 0.0.4 and OpenMetrics allow any UTF-8 but those three; prometheus-client
-writes it raw) and any other backslash escape is invalid (Go's expfmt parser, node_exporter's,
-rejects the whole file). So the label carries the visible escape, and the exposition is the
-same bytes on a terminal, in a pipe, in the textfile and over HTTP: ``curl :9477/metrics`` or
-``cat shmctl.prom`` in a terminal, a Grafana legend or an alert cannot be driven by a name.
+Label values are exact: an engine id, a root or an error is its label as it is, every
+character as itself in UTF-8, control characters included (a tab, an ESC, U+2028, a bidi
+override), so a label equals what ``scan --json`` gives back for the same name
+(``json.loads``). The client escapes ``\\``, ``"`` and a newline, the only escapes the text
+format (0.0.4, and OpenMetrics) has; any other backslash escape is invalid there (Go's
+expfmt parser, node_exporter's, rejects the whole file). The one character UTF-8 cannot carry
+is a lone surrogate: a byte of a file name that is not UTF-8 (``os.listdir``'s
+``surrogateescape`` makes it U+DC80-DCFF). ``label_text`` writes it as the six characters
+``\\udcXX``, the text ``scan --json`` writes for it (``json.loads`` reads that back as the
+surrogate, a Prometheus parser as those six characters). So the rule is: a label is the name
+``scan --json`` reports, with each undecodable byte as the text of its JSON escape.
+
+What carries the labels raw: ``/metrics`` (a scraper parses it), the ``--textfile`` file
+(node_exporter parses it), and ``shmctl metrics`` into a pipe or a file. Only when
+``shmctl metrics`` writes to a terminal does ``print_text`` escape what a person's terminal
+would act on (``printable``: ``\\x1b``, ``\\t``, ``\\u202e``), line by line; that output is
+for eyes, not for a parser. ``curl :9477/metrics`` on a terminal is curl's output, not
+shmctl's: pipe it through ``cat -v`` where names are not trusted.
 
 This module imports prometheus_client; only the metrics code paths import this module, so
 ``shmctl --help`` and shell completion never load it.
@@ -42,6 +50,7 @@ This module imports prometheus_client; only the metrics code paths import this m
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -506,11 +515,23 @@ class Exposition:
 
 
 def label_text(value: str) -> str:
-    """``value`` as a label value: ``printable``'s escapes (``\\x1b``, ``\\u202e``, ``\\udcff`` for
-    an undecodable byte), but newlines, which the client escapes itself and a parser reads back."""
-    if value.isprintable():
+    """``value`` as a label value: itself, each lone surrogate (an undecodable byte of a name,
+    from ``surrogateescape``) as the text of its JSON escape ``\\udcXX``, which is what
+    ``scan --json`` writes for it. Every other character, control characters included, is its
+    own; the client escapes ``\\``, ``"`` and newlines when it writes the exposition."""
+    if value.isascii():
         return value
-    return "\n".join(printable(line, escape_backslash=False) for line in value.split("\n"))
+    return _surrogates().sub(_surrogate_text, value)
+
+
+@functools.cache
+def _surrogates() -> re.Pattern[str]:
+    # Compiled on first use: only the metrics code paths label anything.
+    return re.compile("[\ud800-\udfff]")
+
+
+def _surrogate_text(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
 
 
 def orphan_bytes_by_engine(report: ScanReport, top: int) -> list[tuple[str, int]]:
@@ -592,14 +613,20 @@ def publish(exposition: Exposition, textfile: Path | None) -> None:
 
 
 def print_text(data: bytes) -> None:
-    buffer = getattr(sys.stdout, "buffer", None)
+    """The exposition on stdout: as the client wrote it, but on a terminal with what the
+    terminal would act on escaped (``printable``): labels are exact, and names are anyone's."""
+    out = sys.stdout
+    if out.isatty():
+        text = data.decode("utf-8")
+        data = "\n".join(printable(line, escape_backslash=False) for line in text.split("\n")).encode()
+    buffer = getattr(out, "buffer", None)
     if buffer is None:  # a text-only stream (a test's StringIO)
-        sys.stdout.write(data.decode("utf-8"))
+        out.write(data.decode("utf-8"))
     else:
         # Bytes as the client encoded them: a non-ASCII label must not depend on the locale.
-        sys.stdout.flush()
+        out.flush()
         buffer.write(data)
-    sys.stdout.flush()
+    out.flush()
 
 
 def write_textfile(directory: Path, exposition: Exposition) -> None:

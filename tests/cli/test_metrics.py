@@ -9,26 +9,33 @@ so a test's files never meet another test's; engine ids carry ``TEST_TAG``.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterable
 from importlib.metadata import version
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.liveness import lease
 from kvoffload.liveness.reap import reap
 from kvoffload.liveness.report import ScanReport
 from kvoffload.liveness.scan import Status, scan
+from shmctl.render import printable
 from shmctl.render.fixes import unwritable_fix
 from shmctl.render.metrics import OTHER_ENGINES, Exposition, ReapCounters
 from tests.support.hostile import small_tmpfs
 from tests.support.procs import REPO, Child, leave_orphan, region_path, write_file
+from tests.support.terminal import on_a_terminal
+from tests.watch.test_watch import Agent
 
 Series = tuple[str, frozenset[tuple[str, str]]]
 PAGE = 4096
@@ -45,6 +52,15 @@ def shmctl(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
         cwd=REPO,
         **kwargs,
     )
+
+
+def shmctl_raw(*args: str) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr as strict UTF-8, every byte kept (no newline translation:
+    a CR in a label stays a CR)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shmctl", *args], capture_output=True, timeout=60, check=False, cwd=REPO
+    )
+    return done.returncode, done.stdout.decode("utf-8", "strict"), done.stderr.decode("utf-8", "strict")
 
 
 def series(name: str, **labels: str) -> Series:
@@ -160,24 +176,113 @@ def test_the_command_exports_the_scan_of_a_private_tmpfs_exactly(tmp_path: Path,
     assert report.summary.live == report.summary.orphaned == 1
 
 
-def test_engine_ids_are_escaped_and_parse_back_exactly(tmp_path: Path, engine_id: str) -> None:
-    root = tmp_path / "root"
+#: What an engine id may hold that the exposition must carry exactly: every escape the text
+#: format has (backslash, quote, newline) and what a terminal acts on (tab, ESC, CR, C1 CSI,
+#: a bidi override). The root is hostile too, but without glob characters (``watch --root``).
+EXACT_ID = 'tab\tesc\x1b[31m back\\slash "quote" new\nline cr\r c1\u009b2J bidi\u202e'
+EXACT_ROOT = "root\ttab\x1besc\u202e"
+
+
+def plant_exact_names(parent: Path, engine_id: str) -> Path:
+    """A root named ``EXACT_ROOT`` in ``parent`` holding two orphans: one named with
+    ``EXACT_ID``, one whose name has a byte that is not UTF-8."""
+    root = parent / EXACT_ROOT
     root.mkdir()
-    hostile = f'{engine_id}"quote\\backslash\nnewline'
-    write_file(region_path(root, hostile))
-    undecodable = os.fsencode(root) + b"/vllm_offload_" + os.fsencode(engine_id) + b"\xff.mmap"
+    write_file(region_path(root, f"{engine_id}-{EXACT_ID}"))
+    undecodable = os.fsencode(root) + b"/vllm_offload_" + os.fsencode(engine_id) + b"-\xff.mmap"
     os.close(os.open(undecodable, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    return root
 
-    result = shmctl("metrics", "--root", str(root), "--grace", "0s")
 
-    assert (result.returncode, result.stderr) == (0, "")
-    engines = {
-        dict(labels)["engine_id"]
-        for name, labels in parse(result.stdout)
-        if name == "shmctl_orphan_engine_bytes"
+def labels_of(text: str, name: str, label: str) -> set[str]:
+    return {
+        sample.labels[label]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
     }
-    # An undecodable byte is written as scan --json writes it: \udcXX.
-    assert engines == {hostile, f"{engine_id}\\udcff", OTHER_ENGINES}
+
+
+def scan_json(root: Path) -> tuple[set[str], str]:
+    """The engine ids and the root as ``scan --json`` reports them (after ``json.loads``),
+    as labels: a lone surrogate (an undecodable byte) as the text of its JSON escape."""
+    code, out, err = shmctl_raw("scan", "--root", str(root), "--grace", "0s", "--json")
+    assert code == 1, err  # orphans are findings
+    document = json.loads(out)
+
+    def as_label(text: str) -> str:
+        return "".join(f"\\u{ord(c):04x}" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
+
+    return {as_label(e["engine_id"]) for e in document["entries"]}, as_label(document["root"])
+
+
+@pytest.mark.root
+def test_labels_are_the_ids_scan_json_reports_exactly_in_a_pipe_and_in_the_textfile(
+    tmp_path: Path, engine_id: str
+) -> None:
+    with small_tmpfs(tmp_path, "8m") as mnt:
+        root = plant_exact_names(mnt, engine_id)
+        piped = shmctl_raw("metrics", "--root", str(root), "--grace", "0s")
+        textfile = tmp_path / "textfile"
+        textfile.mkdir()
+        written = shmctl_raw("metrics", "--root", str(root), "--grace", "0s", "--textfile", str(textfile))
+        engines, root_label = scan_json(root)
+        for path in root.iterdir():
+            path.unlink()
+
+    assert (piped[0], piped[2], written[0], written[2]) == (0, "", 0, "")
+    assert f"{engine_id}-{EXACT_ID}" in engines
+    assert f"{engine_id}-\\udcff" in engines, "an undecodable byte: the text of scan --json's escape"
+    exposition = (textfile / "shmctl.prom").read_bytes().decode("utf-8", "strict")
+    for text in (piped[1], exposition):
+        assert labels_of(text, "shmctl_orphan_engine_bytes", "engine_id") == engines | {OTHER_ENGINES}
+        assert labels_of(text, "shmctl_scan_success", "root") == {root_label}
+        # Raw, as the format carries them: only backslash, quote and newline are escaped.
+        assert 'tab\tesc\x1b[31m back\\\\slash \\"quote\\" new\\nline cr\r c1\u009b2J' in text
+
+
+def test_on_a_terminal_the_labels_show_their_control_characters_escaped(
+    tmp_path: Path, engine_id: str
+) -> None:
+    root = plant_exact_names(tmp_path, engine_id)
+    code, piped, _ = shmctl_raw("metrics", "--root", str(root), "--grace", "0s")
+    shown = on_a_terminal("metrics", "--root", str(root), "--grace", "0s", columns=300)
+
+    assert (code, shown.code) == (0, 0), shown.text
+    on_terminal = shown.raw.decode("utf-8", "strict").replace("\r\n", "\n")
+    assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202e]", on_terminal), on_terminal
+    # The same lines as in a pipe (the numbers of these series are the files'), escaped.
+    engine_lines = [line for line in piped.split("\n") if line.startswith("shmctl_orphan_engine_")]
+    assert len(engine_lines) == 3
+    for line in engine_lines:
+        assert printable(line, escape_backslash=False) in on_terminal.split("\n")
+    assert "tab\\tesc\\x1b[31m" in on_terminal
+
+
+def test_the_agents_metrics_carry_the_labels_exactly_over_http(tmp_path: Path, engine_id: str) -> None:
+    root = plant_exact_names(tmp_path, engine_id)
+    engines, root_label = scan_json(root)
+    agent = Agent("--root", str(root), "--interval", "0.2s", "--grace", "0s", "--listen", "127.0.0.1:0")
+    try:
+        agent.wait_for(lambda events: any(e["event"] == "pass" for e in events))
+        url = f"http://127.0.0.1:{agent.port()}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            text = answer.read().decode("utf-8", "strict")
+        accept = {"Accept": "application/openmetrics-text; version=1.0.0"}
+        with urllib.request.urlopen(urllib.request.Request(url, headers=accept), timeout=10) as answer:
+            openmetrics = answer.read().decode("utf-8", "strict")
+    finally:
+        agent.kill()
+
+    assert labels_of(text, "shmctl_orphan_engine_bytes", "engine_id") == engines | {OTHER_ENGINES}
+    assert labels_of(text, "shmctl_scan_success", "root") == {root_label}
+    engine_samples = {
+        sample.labels["engine_id"]
+        for family in openmetrics_families(openmetrics)  # type: ignore[no-untyped-call]
+        for sample in family.samples
+        if sample.name == "shmctl_orphan_engine_bytes"
+    }
+    assert engine_samples == engines | {OTHER_ENGINES}
 
 
 @pytest.mark.parametrize("top", [0, 2, 10])

@@ -18,6 +18,7 @@ Skipped, saying why, without root, bubblewrap or the prometheus binary.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -298,6 +299,48 @@ def test_a_killed_engine_fires_orphaned_bytes_until_its_agent_reaps_it(fleet: Fl
     removed = {e["engine_id"] for e in agent.events() if e["event"] == "removed"}
     assert removed == {e.engine_id for e in doomed}
     assert survivor.path.stat().st_ino == survivor.inode
+
+
+def test_every_query_of_the_grafana_dashboard_returns_series_from_the_agents(fleet: Fleet) -> None:
+    # After the reap above: orphans were found and removed, so the reap counters have moved
+    # and the per-engine orphan series have been non-zero. Still here: every agent (node-c
+    # is killed only in the next test).
+    from tests.system.test_deploy import DASHBOARDS, dashboard_queries
+
+    prom = fleet.prometheus
+    #: The dashboard's variables as a person picks them (all nodes) and Grafana's own.
+    values = {"job": JOB, "node": ".*", "__rate_interval": "1m", "__interval": "15s", "__range": "1h"}
+    # Each panel has a real series here; none has a conflict staged (a parked file whose name
+    # another file took needs a dead reaper's park holding a live engine's file inside the
+    # agent's sandbox), so "Conflicts: files waiting parked" is the agent's 0 per pod volume.
+    queries = []
+    for path in DASHBOARDS:
+        for title, ref_id, expr in dashboard_queries(json.loads(path.read_text())):
+            substituted = re.sub(
+                r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]",
+                lambda m: values[next(g for g in m.groups() if g)],
+                expr,
+            )
+            assert "$" not in substituted, substituted
+            queries.append((f"{path.name}: {title} {ref_id}", substituted))
+    empty: list[str] = []
+
+    def every_query_has_series() -> bool | None:
+        empty[:] = [f"{name}: {expr}" for name, expr in queries if not prom.query(expr)]
+        return True if not empty else None
+
+    wait_for(
+        every_query_has_series,
+        PATIENCE,
+        "a series for every query of the dashboard",
+        alive=fleet.alive,
+        explain=lambda: f"{fleet.explain()}\nno series: {empty}",
+    )
+    # The reaps of the test above show in the reap panel's own query, over the whole run.
+    files = [expr for name, expr in queries if "Reaped files" in name]
+    assert files, "the dashboard has no 'Reaped files' panel"
+    counted = prom.query(files[0].replace("[1m]", fleet.since_start()))
+    assert any(float(r["value"][1]) > 0 for r in counted if r["metric"].get("node") == "node-a"), counted
 
 
 def test_a_killed_agent_fires_watch_down(fleet: Fleet) -> None:

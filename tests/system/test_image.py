@@ -3,7 +3,8 @@ there and in the build context, pin everything they fetch, install the entrypoin
 runs, and ``make image`` tags what the manifests name.
 
 Nothing here builds an image (no test may need docker or podman): the Dockerfiles are read as
-data and linted; ``make image`` is run only dry (``make -n``) or where neither tool can be found.
+data and linted; ``make image`` is run only dry (``make -n``), where neither tool can be found, or
+with a real docker client pointed at a socket nobody listens on.
 The build recipe itself was run by hand on the base image's Python (docs/deployment.md).
 """
 
@@ -437,3 +438,43 @@ def test_make_image_says_so_when_neither_docker_nor_podman_is_installed(tmp_path
     assert done.returncode != 0
     assert done.stdout == ""
     assert "make image: neither docker nor podman is installed (fix: " in done.stderr, done.stderr
+
+
+def test_make_image_says_so_in_one_line_when_docker_is_installed_but_no_daemon_answers(
+    tmp_path: Path,
+) -> None:
+    docker = shutil.which("docker")
+    if docker is None:
+        pytest.skip("no docker client here")
+    # The real client, pointed at a socket nobody listens on: no build can start, whatever
+    # this machine runs. PATH holds it and sed only (no podman to fall back to); HOME is empty,
+    # so no docker context of the machine's can point it elsewhere.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    sed = shutil.which("sed")
+    assert sed is not None
+    (bindir / "sed").symlink_to(sed)
+    (bindir / "docker").symlink_to(docker)
+    socket = tmp_path / "nobody-listens.sock"
+    done = subprocess.run(
+        [make(), "--no-print-directory", "image"],
+        cwd=REPO,
+        env={"PATH": str(bindir), "HOME": str(tmp_path), "DOCKER_HOST": f"unix://{socket}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert done.stdout == ""
+    # One line of ours; the other is make's own account of the failed recipe.
+    ours, *rest = done.stderr.splitlines()
+    assert [line for line in rest if not line.startswith("make: *** [")] == [], done.stderr
+    assert ours.startswith("make image: docker is installed but its daemon does not answer ("), ours
+    assert f"unix://{socket}" in ours, "the address it tried"
+    assert ours.endswith(
+        "); start it (systemctl start docker) or build elsewhere "
+        f"(fix: any OCI builder on ./Dockerfile, tagged shmctl:{PYPROJECT['project']['version']})"
+    ), ours
+    assert "Is the docker daemon running" not in ours, "no echo of docker's own question"
+    assert "build" not in done.stderr.replace(ours, ""), "no build was started"
