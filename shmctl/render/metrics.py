@@ -106,25 +106,30 @@ class ReapCounters:
 
     files: dict[str, int] = field(default_factory=dict)
     resident_bytes: dict[str, int] = field(default_factory=dict)
+    #: Parked files whose name another file took meanwhile (both kept: ``conflict`` events).
+    conflicts: dict[str, int] = field(default_factory=dict)
 
     def record(self, report: ReapReport) -> None:
         """Count one reap pass; a dry run removed nothing, but its root's series start at 0."""
         root = label_text(str(report.root))
         removed = 0 if report.dry_run else len(report.removed)
         freed = 0 if report.dry_run else report.freed_bytes
-        self.files[root] = self.files.get(root, 0) + removed
-        self.resident_bytes[root] = self.resident_bytes.get(root, 0) + freed
+        conflicts = 0 if report.dry_run else len(report.conflicts)
+        self.add(root, removed, freed, conflicts)
 
-    def add(self, label: str, files: int, freed_bytes: int) -> None:
-        """Count ``files`` removed, ``freed_bytes`` freed, under the root label ``label``."""
+    def add(self, label: str, files: int, freed_bytes: int, conflicts: int = 0) -> None:
+        """Count ``files`` removed, ``freed_bytes`` freed and ``conflicts`` left parked, under
+        the root label ``label``."""
         self.files[label] = self.files.get(label, 0) + files
         self.resident_bytes[label] = self.resident_bytes.get(label, 0) + freed_bytes
+        self.conflicts[label] = self.conflicts.get(label, 0) + conflicts
 
     def forget(self, root: Path | str) -> None:
         """Drop a vanished root's counters: series of pods long gone must not pile up."""
         label = label_text(str(root))
         self.files.pop(label, None)
         self.resident_bytes.pop(label, None)
+        self.conflicts.pop(label, None)
 
 
 #: Verdicts in the order their ``files``/``resident_bytes`` tuples hold them.
@@ -324,6 +329,13 @@ class Exposition:
             "removed files; long-running modes only).",
             labels=root_labels,
         )
+        self.reap_conflicts = CounterMetricFamily(
+            "shmctl_reap_conflicts",
+            "Parked files that could not get their name back because another file took it "
+            "meanwhile: both kept, the parked one waits in its park directory (long-running "
+            "modes only).",
+            labels=root_labels,
+        )
         self.region_size_max = _gauge(
             "shmctl_region_size_max_bytes",
             "Apparent size of the root's largest region (base and segments, live or not), in "
@@ -364,6 +376,7 @@ class Exposition:
             self.root_free,
             self.reaped_files,
             self.reaped_bytes,
+            self.reap_conflicts,
             self.region_size_max,
             self.watch_up,
             self.watch_pass_duration,
@@ -508,6 +521,8 @@ class Exposition:
             self.reaped_files.add_metric(self._root_labels(root), files)
         for root, freed in counters.resident_bytes.items():
             self.reaped_bytes.add_metric(self._root_labels(root), freed)
+        for root, conflicts in counters.conflicts.items():
+            self.reap_conflicts.add_metric(self._root_labels(root), conflicts)
 
     def text(self) -> bytes:
         """The exposition in Prometheus' text format (UTF-8)."""

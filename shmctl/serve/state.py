@@ -64,6 +64,7 @@ class WatchMetrics:
         #: Removals in roots that were folded when they happened (``root="other"``'s counters).
         self._other_files = 0
         self._other_bytes = 0
+        self._other_conflicts = 0
         self._named: frozenset[str] = frozenset()
         self._top_engines = top_engines
         self._top_roots = top_roots
@@ -90,13 +91,16 @@ class WatchMetrics:
             self._named = rank_roots(self._latest.values(), self._top_roots)
             for result in report.roots:
                 label = label_text(str(result.root))
-                files = len(result.reaped.removed) if result.reaped is not None else 0
-                freed = result.reaped.freed_bytes if result.reaped is not None else 0
-                if files or self._reaping:
-                    self._counters.add(label, files, freed)
+                reaped = result.reaped
+                files = len(reaped.removed) if reaped is not None else 0
+                freed = reaped.freed_bytes if reaped is not None else 0
+                conflicts = reaped.conflicts if reaped is not None else 0
+                if files or conflicts or self._reaping:
+                    self._counters.add(label, files, freed, conflicts)
                 if label not in self._named:
                     self._other_files += files
                     self._other_bytes += freed
+                    self._other_conflicts += conflicts
             self._passes += 1
             self._roots = report.matched
             self._pass_seconds = report.seconds
@@ -137,10 +141,11 @@ class WatchMetrics:
         counters = ReapCounters(
             {label: n for label, n in self._counters.files.items() if label in named},
             {label: n for label, n in self._counters.resident_bytes.items() if label in named},
+            {label: n for label, n in self._counters.conflicts.items() if label in named},
         )
         folded = len(self._latest) > len(named)
-        if self._other_files or (folded and self._reaping):
-            counters.add(OTHER_ROOTS, self._other_files, self._other_bytes)
+        if self._other_files or self._other_conflicts or (folded and self._reaping):
+            counters.add(OTHER_ROOTS, self._other_files, self._other_bytes, self._other_conflicts)
         return counters
 
     def healthy(self) -> bool:

@@ -519,8 +519,16 @@ def test_reap_counters_count_what_reap_removed_across_passes(root: Path, engine_
     after_reap = counted(counters)
     counters.record(reap(root, grace_s=0))  # nothing left: the counters stay
 
-    assert at_start == {"shmctl_reaped_files_total": 0, "shmctl_reaped_bytes_total": 0}
-    assert after_reap == {"shmctl_reaped_files_total": 3, "shmctl_reaped_bytes_total": pinned}
+    assert at_start == {
+        "shmctl_reaped_files_total": 0,
+        "shmctl_reaped_bytes_total": 0,
+        "shmctl_reap_conflicts_total": 0,
+    }
+    assert after_reap == {
+        "shmctl_reaped_files_total": 3,
+        "shmctl_reaped_bytes_total": pinned,
+        "shmctl_reap_conflicts_total": 0,
+    }
     assert counted(counters) == after_reap
     assert not any(p.exists() for p in files)
 
@@ -529,13 +537,13 @@ def counted(counters: ReapCounters) -> dict[str, float]:
     exposition = Exposition()
     exposition.add_reaps(counters)
     got = parse(exposition.text().decode())
-    return {name: value for (name, _), value in got.items() if name.startswith("shmctl_reaped_")}
+    return {name: value for (name, _), value in got.items() if name.startswith("shmctl_reap")}
 
 
 def test_the_one_shot_command_exports_no_reap_counters(tmp_path: Path) -> None:
     result = shmctl("metrics", "--root", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert not [name for name, _ in parse(result.stdout) if name.startswith("shmctl_reaped_")]
+    assert not [name for name, _ in parse(result.stdout) if name.startswith("shmctl_reap")]
 
 
 def test_several_roots_share_one_exposition(tmp_path: Path, engine_id: str) -> None:

@@ -34,6 +34,7 @@ import pytest
 from kvoffload.liveness.park import PARK_PREFIX
 from kvoffload.liveness.reap import ReapFilter, reap
 from kvoffload.liveness.scan import scan
+from shmctl.render.metrics import Exposition, ReapCounters
 from tests.support.parks import dead_park, parks, running_park
 from tests.support.procs import REPO, region_path, uninspectable_pids, write_file
 from tests.support.schemas import validate
@@ -418,6 +419,12 @@ def test_a_parked_live_file_whose_name_was_taken_is_a_conflict_with_both_kept_th
         assert "nothing removed" in conflict["reason"]
         assert creator.ask("check", path) == {"ino": made, "nlink": 1, "named": True, "marker": "NEW!"}
         assert engine.ask("check", path)["nlink"] == 1  # the parked one, intact
+        # The agent's counter of them: a reap that meets the conflict again counts it again.
+        counters = ReapCounters()
+        counters.record(reap(root, grace_s=0))
+        exposition = Exposition()
+        exposition.add_reaps(counters)
+        assert f'shmctl_reap_conflicts_total{{root="{root}"}} 1.0' in exposition.text().decode()
         engine.close()  # its last holder exits: now it is dead, and goes
         again = json.loads(run_cli("reap", "--root", str(root), "--grace", "0s", "--yes", "--json").stdout)
         assert [e["ino"] for e in again["removed"]] == [opened["ino"]]

@@ -312,7 +312,8 @@ def test_every_query_of_the_grafana_dashboard_returns_series_from_the_agents(fle
     values = {"job": JOB, "node": ".*", "__rate_interval": "1m", "__interval": "15s", "__range": "1h"}
     # Each panel has a real series here; none has a conflict staged (a parked file whose name
     # another file took needs a dead reaper's park holding a live engine's file inside the
-    # agent's sandbox), so "Conflicts: files waiting parked" is the agent's 0 per pod volume.
+    # agent's sandbox), so the "Conflicts" panel's series are the agent's 0 per pod volume
+    # (a reaping agent starts every watched root's counters at 0).
     queries = []
     for path in DASHBOARDS:
         for title, ref_id, expr in dashboard_queries(json.loads(path.read_text())):
