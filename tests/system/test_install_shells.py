@@ -318,6 +318,22 @@ def test_install_completion_zsh_writes_where_an_interactive_zsh_reads(
 # What docs/install.md leads with, for every install path: the script and the page come from
 # the shmctl on PATH, wherever its venv lives, so nothing is added to any search path.
 
+#: docs/install.md's lines, as written there; each is run below as a user would run it.
+BASHRC_LINE = "source <(shmctl completion bash)"
+ZSHRC_LINE = "source <(shmctl completion zsh)"
+ZFUNC_LINE = "mkdir -p ~/.zfunc && shmctl completion zsh > ~/.zfunc/_shmctl"
+ROOT_FPATH_LINE = 'shmctl completion zsh > "${fpath[1]}/_shmctl"'
+FISH_LINE = "shmctl completion fish | source"
+MAN_LINE = "shmctl man | man -l -"
+PIPX_MAN_LINE = "mkdir -p ~/.local/share/man/man1 && shmctl man > ~/.local/share/man/man1/shmctl.1"
+DOCUMENTED = (BASHRC_LINE, ZSHRC_LINE, ZFUNC_LINE, ROOT_FPATH_LINE, FISH_LINE, MAN_LINE, PIPX_MAN_LINE)
+
+
+def test_the_lines_run_here_are_the_ones_docs_install_md_gives() -> None:
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "install.md").read_text().split())
+    assert [line for line in DOCUMENTED if line not in text] == []
+
+
 #: bash-completion, then the script `shmctl completion bash` prints, then its function called as
 #: bash calls it for each line given (one per argument, the word under the cursor last).
 BASH_SOURCED = r"""
@@ -378,22 +394,23 @@ def test_an_interactive_bash_with_the_docs_bashrc_line_completes_shmctl(
     install: Install, tmp_path: Path
 ) -> None:
     needs("bash")
-    (tmp_path / ".bashrc").write_text("source <(shmctl completion bash)\n")
+    (tmp_path / ".bashrc").write_text(BASHRC_LINE + "\n")
     shell = run(["bash", "-i", "-c", "complete -p shmctl"], clean_env(tmp_path, [install.pipx_bin]))
     assert shell.stdout.strip() == "complete -o default -F _shmctl_completion shmctl", shell.stderr
 
 
 @pytest.mark.parametrize("kind", ["venv", "pipx"])
+@pytest.mark.parametrize("line", [ZFUNC_LINE, ROOT_FPATH_LINE], ids=["zfunc", "fpath1"])
 def test_zsh_autoloads_the_file_shmctl_completion_writes_to_fpath_and_completes(
-    install: Install, tmp_path: Path, kind: str
+    install: Install, tmp_path: Path, kind: str, line: str
 ) -> None:
     needs("zsh")
     env = clean_env(tmp_path, [install.path(kind)])
-    site_functions = tmp_path / "zfunc"
-    site_functions.mkdir()
-    # What docs/install.md says, run by zsh itself: `shmctl completion zsh > "${fpath[1]}/_shmctl"`.
-    written = run(["zsh", "-f", "-c", 'fpath=("$1" $fpath); shmctl completion zsh > "${fpath[1]}/_shmctl"',
-                   "zsh", str(site_functions)], env)  # fmt: skip
+    site_functions = tmp_path / ".zfunc"
+    if line == ROOT_FPATH_LINE:  # the first directory of $fpath: a root's, here one of the test's
+        site_functions = tmp_path / "site-functions"
+        site_functions.mkdir()
+    written = run(["zsh", "-f", "-c", f'fpath=("$1" $fpath); {line}', "zsh", str(site_functions)], env)
     assert written.returncode == 0, written.stderr
     done = run(["zsh", "-f", "-c", ZSH_FPATH, "zsh", str(site_functions)], env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -403,14 +420,16 @@ def test_zsh_autoloads_the_file_shmctl_completion_writes_to_fpath_and_completes(
 
 def test_zsh_completes_with_the_script_sourced_after_compinit(install: Install, tmp_path: Path) -> None:
     needs("zsh")
-    sourced = r"""
-autoload -Uz compinit && compinit -D
-source <(shmctl completion zsh) || exit 91
+    sourced = (
+        "autoload -Uz compinit && compinit -D\n"
+        + ZSHRC_LINE
+        + r""" || exit 91
 print -r -- "COMPS ${_comps[shmctl]-}"
 _arguments() { print -r -- "ARGUMENTS $*" }
 words=(shmctl "") CURRENT=2
 $_comps[shmctl]
 """
+    )
     done = run(["zsh", "-f", "-c", sourced], clean_env(tmp_path, [install.pipx_bin]))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "COMPS _shmctl_completion" in done.stdout.splitlines()
@@ -433,7 +452,7 @@ def rendered_man_page(install: Install, tmp_path: Path) -> subprocess.CompletedP
     """``shmctl man | man -l -`` from the pipx link, as docs/install.md has it."""
     needs("man")
     env = clean_env(tmp_path, [install.pipx_bin], MANPAGER="cat", MANWIDTH="100")
-    return run(["bash", "-c", "set -o pipefail; shmctl man | man --warnings -l -"], env)
+    return run(["bash", "-c", f"set -o pipefail; {MAN_LINE.replace('man -l', 'man --warnings -l')}"], env)
 
 
 def test_shmctl_man_piped_to_man_renders_the_page_with_every_command(
