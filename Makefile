@@ -95,14 +95,14 @@ vllm-hosted:
 vllm-engine: venv
 	$(BIN)/python compat/vllm_engine --work build/vllm-engine
 
-# typer's scripts, and the two files made from them for the places shells search themselves
-# (completions/shmctl for bash-completion, completions/_shmctl for zsh's $fpath); a test fails
-# while the committed files differ from what this writes.
+# What `shmctl completion SHELL` prints (shmctl/completion_scripts.py), under the names the places
+# shells search look up (completions/shmctl for bash-completion, completions/_shmctl for zsh's
+# $fpath); a test fails while the committed files differ from what this writes.
 completions: venv
 	$(BIN)/python scripts/gen_completions.py -o completions
 
-# The man page is generated from the CLI's own command tree; tests/system/test_packaging.py fails when
-# the committed page differs from what this writes.
+# What `shmctl man` prints (shmctl/manpage.py: the page is generated from the CLI's own command
+# tree); tests/system/test_packaging.py fails when the committed page differs from what this writes.
 man: venv
 	$(BIN)/python scripts/gen_manpage.py -o man/shmctl.1
 

@@ -21,6 +21,8 @@ SUMMARIES = {
     "metrics": "Prometheus metrics of a root, on stdout or as a textfile.",
     "watch": "The node agent: watch every pod's /dev/shm, serve metrics.",
     "doctor": "Check this node for what shmctl and vLLM's offload need.",
+    "completion": "Print the completion script for bash, zsh or fish.",
+    "man": "Print the man page, shmctl(1), as roff.",
 }
 
 #: ``shmctl --help``'s own examples: the three commands to run on a node now.
@@ -81,6 +83,15 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("shmctl doctor --plan engine.json --model llama-3-70b --world-size 4", "will it fit"),
         ("shmctl doctor --need 200g --need 200g", "two regions of 200 GiB"),
         ("shmctl doctor --json | jq '.checks[] | select(.status != \"ok\")'", "what is not ok"),
+    ),
+    "completion": (
+        ("source <(shmctl completion bash)", "in ~/.bashrc: completion in every new bash"),
+        ('shmctl completion zsh > "${fpath[1]}/_shmctl"', "zsh: once, then compinit finds it"),
+        ("shmctl completion fish | source", "in ~/.config/fish/config.fish"),
+    ),
+    "man": (
+        ("shmctl man | man -l -", "read it, from any install"),
+        ("shmctl man > ~/.local/share/man/man1/shmctl.1", "pipx: then `man shmctl` finds it too"),
     ),
 }
 

@@ -3,7 +3,7 @@ command table is read without typer (``shmctl.launch``).
 
 A command is built only when it is asked for (``build``): ``shmctl scan`` imports and builds
 ``scan`` alone, and a Tab completion of ``shmctl sc`` builds only the commands it names. Only
-``shmctl --help`` (and the man page) builds all eight. Typer turns a command's signature
+``shmctl --help`` (and the man page) builds all ten. Typer turns a command's signature
 into click options when it builds it, so each command not built saves that and its imports.
 """
 
@@ -22,6 +22,8 @@ MODULES = {
     "metrics": "metrics",
     "watch": "watch",
     "doctor": "doctor",
+    "completion": "completion",
+    "man": "man",
 }
 
 

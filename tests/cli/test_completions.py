@@ -6,6 +6,7 @@ That shells find and load the installed files is tests/system/test_install_shell
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload import faults
+from shmctl.completion_scripts import SCRIPTS, SHELLS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,18 +37,121 @@ def complete(words: str, cword: int, env: dict[str, str] | None = None) -> list[
     return result.stdout.split()
 
 
-@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
-def test_shipped_completion_scripts_are_current(shell: str) -> None:
-    fresh = subprocess.run(
+def typer_script(shell: str) -> str:
+    """What typer writes for shmctl (``--show-completion``): the protocol each Tab speaks."""
+    return subprocess.run(
         [sys.executable, "-m", "shmctl", "--show-completion", shell],
         env={**os.environ, "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"},
         capture_output=True,
         text=True,
         timeout=30,
         check=True,
-    ).stdout
-    # `python -m shmctl` names itself like the console script would.
-    assert fresh == (REPO / "completions" / f"shmctl.{shell}").read_text(), "run `make completions`"
+    ).stdout  # `python -m shmctl` names itself like the console script would
+
+
+@pytest.mark.parametrize("shell", ["bash", "fish"])
+def test_the_bash_and_fish_scripts_are_typers_own(shell: str) -> None:
+    assert SCRIPTS[shell] == typer_script(shell), (
+        "typer's script changed: update shmctl/completion_scripts.py"
+    )
+
+
+def test_the_zsh_script_holds_typers_completion_function_unchanged() -> None:
+    typer_zsh = typer_script("zsh").splitlines()
+    assert typer_zsh[-1] == "compdef _shmctl_completion shmctl"
+    body = typer_zsh[typer_zsh.index("_shmctl_completion() {") : -1]
+    ours = SCRIPTS["zsh"].splitlines()
+    assert ours[0] == typer_zsh[0] == "#compdef shmctl"
+    start = ours.index("_shmctl_completion() {")
+    assert ours[start : start + len(body)] == body
+
+
+#: Each shell's script and the files of completions/ that hold it.
+SHIPPED = {"bash": ("shmctl", "shmctl.bash"), "zsh": ("_shmctl", "shmctl.zsh"), "fish": ("shmctl.fish",)}
+
+
+def shmctl(*argv: str, through_typer: bool = False) -> subprocess.CompletedProcess[str]:
+    """The console script (``shmctl.launch``), or shmctl.app's main without it."""
+    program = (
+        [sys.executable, "-c", "import sys; from shmctl.app import main; sys.exit(main())"]
+        if through_typer
+        else [sys.executable, "-m", "shmctl"]
+    )
+    env = {k: v for k, v in os.environ.items() if k != "_SHMCTL_COMPLETE"}
+    return subprocess.run([*program, *argv], env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize("through_typer", [False, True], ids=["launch", "typer"])
+@pytest.mark.parametrize("shell", SCRIPTS)
+def test_completion_prints_exactly_the_shipped_files(shell: str, through_typer: bool) -> None:
+    done = shmctl("completion", shell, through_typer=through_typer)
+    assert (done.returncode, done.stderr) == (0, "")
+    for name in SHIPPED[shell]:
+        assert done.stdout == (REPO / "completions" / name).read_text(), name
+
+
+def test_every_file_of_completions_is_a_script_completion_prints() -> None:
+    shipped = {name for names in SHIPPED.values() for name in names}
+    assert shipped == {p.name for p in (REPO / "completions").iterdir()}
+    assert set(SHIPPED) == set(SHELLS)
+
+
+@pytest.mark.parametrize("through_typer", [False, True], ids=["launch", "typer"])
+def test_a_shell_completion_does_not_know_is_one_line_exit_2_with_the_choices(through_typer: bool) -> None:
+    done = shmctl("completion", "tcsh", through_typer=through_typer)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith("shmctl: error: ")
+    assert "'tcsh'" in done.stderr
+    assert "(fix: name one of bash, zsh, fish" in done.stderr
+
+
+def test_completion_into_a_full_disk_is_one_line_exit_3() -> None:
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "shmctl", "completion", "bash"],
+            stdout=full,
+            capture_output=False,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 3
+    assert done.stderr.startswith("shmctl: error: stdout: No space left on device (fix: ")
+    assert done.stderr.count("\n") == 1
+
+
+def test_completion_into_a_closed_pipe_is_a_quiet_0() -> None:
+    done = subprocess.run(
+        f"{shlex.quote(sys.executable)} -m shmctl completion zsh | head -c 1 >/dev/null; "
+        'echo "${PIPESTATUS[0]}"',
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.stdout, done.stderr) == ("0\n", "")
+
+
+def test_a_completion_script_is_printed_without_importing_typer_or_building_a_command() -> None:
+    probe = (
+        "import sys; from shmctl import launch; sys.argv = ['shmctl', 'completion', 'fish']; "
+        "code = launch.main(); sys.stdout.flush(); "
+        "print(code, sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'kvoffload') "
+        "or m.startswith('shmctl.commands')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert done.stdout == SCRIPTS["fish"] + "0 []\n"
+
+
+def test_completion_of_completion_offers_the_shells() -> None:
+    assert complete("shmctl completion ", 2) == ["bash", "zsh", "fish"]
+    assert complete("shmctl completion z", 2) == ["zsh"]
 
 
 @pytest.fixture(scope="module")
@@ -76,19 +181,8 @@ def test_every_shipped_completion_file_is_current(generated: Path, name: str) ->
     )
 
 
-def test_the_zsh_function_file_calls_typers_completion_function_instead_of_binding_it() -> None:
-    typer_zsh = (REPO / "completions" / "shmctl.zsh").read_text().splitlines()
-    function_file = (REPO / "completions" / "_shmctl").read_text().splitlines()
-    assert typer_zsh[-1] == "compdef _shmctl_completion shmctl"
-    assert function_file[0] == "#compdef shmctl"
-    assert function_file[-1] == '_shmctl_completion "$@"'
-    # typer's function itself, and with it the _SHMCTL_COMPLETE protocol, is unchanged.
-    body = typer_zsh[typer_zsh.index("_shmctl_completion() {") : -1]
-    assert function_file[-1 - len(body) : -1] == body
-
-
 def test_commands_complete() -> None:
-    assert complete("shmctl ", 1) == ["scan", "reap", "init", "faults", "audit", "metrics", "watch", "doctor"]
+    assert complete("shmctl ", 1) == [*_COMMANDS]
 
 
 def test_fail_at_completes_from_the_fault_registry() -> None:
@@ -137,7 +231,7 @@ def test_rank_completes_the_workers_of_the_world_size_typed() -> None:
 
 #: Command words as bash hands them over: every prefix of every command, none, nonsense, an
 #: option, a quoted word, and a later word (which the fast path leaves to typer).
-_COMMANDS = ("scan", "reap", "init", "faults", "audit", "metrics", "watch", "doctor")
+_COMMANDS = ("scan", "reap", "init", "faults", "audit", "metrics", "watch", "doctor", "completion", "man")
 _COMMAND_WORDS = sorted(
     {f"shmctl {name[:n]}" for name in _COMMANDS for n in range(len(name) + 1)}
     | {"shmctl", "shmctl x", "shmctl -", "shmctl --c", "shmctl 's", "shmctl \\s", "shmctl scan --r"}

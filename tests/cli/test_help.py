@@ -42,9 +42,10 @@ def test_every_command_has_a_summary_and_examples() -> None:
 
 def test_the_command_list_prints_every_summary_whole_at_80_columns() -> None:
     text = _help()
+    width = max(map(len, helptext.SUMMARIES))  # click pads every name to the longest
     for name, summary in helptext.SUMMARIES.items():
         assert len(summary) <= helptext.SUMMARY_LIMIT, name
-        assert f"  {name:<8} {summary}\n" in text, name
+        assert f"  {name:<{width}}  {summary}\n" in text, name
     assert "..." not in text.split("Commands:", 1)[1]
 
 
@@ -64,7 +65,7 @@ def _examples() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("line", "command"), _examples(), ids=[p[0] for p in _examples()])
 def test_every_example_parses_with_its_commands_own_parser(line: str, command: str) -> None:
     """An example that names a flag the command lacks, or gives a choice it refuses, fails here."""
-    words = shlex.split(line.split(" | ", 1)[0])
+    words = shlex.split(_shmctl_part(line))
     if words[0] == "sudo":
         words = words[1:]
     assert words[0] == "shmctl"
@@ -74,6 +75,19 @@ def test_every_example_parses_with_its_commands_own_parser(line: str, command: s
     assert sub is not None, name
     ctx = sub.make_context(name, words[2:])  # raises click's usage error on a bad flag
     ctx.close()
+
+
+def _shmctl_part(line: str) -> str:
+    """The shmctl command of an example line: before a pipe or a redirection, inside ``<(...)``."""
+    if line.startswith("source <(") and line.endswith(")"):
+        line = line.removeprefix("source <(").removesuffix(")")
+    return line.split(" | ", 1)[0].split(" > ", 1)[0]
+
+
+def test_an_example_line_is_cut_to_its_shmctl_command() -> None:
+    assert _shmctl_part("source <(shmctl completion bash)") == "shmctl completion bash"
+    assert _shmctl_part('shmctl completion zsh > "${fpath[1]}/_shmctl"') == "shmctl completion zsh"
+    assert _shmctl_part("shmctl man | man -l -") == "shmctl man"
 
 
 def test_examples_never_teach_a_zero_grace() -> None:

@@ -13,6 +13,11 @@ does exactly that and no more:
   nothing; both shells look there by default. The install is laid over ``/usr/local`` in a
   mount namespace of the test's own (needs root), so the host's ``/usr/local`` is untouched.
 
+Before all of that, docs/install.md leads with what needs no search path at all: ``source <(shmctl
+completion bash)``, ``shmctl completion zsh > "${fpath[1]}/_shmctl"``, ``shmctl completion fish |
+source`` and ``shmctl man | man -l -``, run from the venv's ``bin`` or pipx's link; the last
+section tests those, and where ``man`` finds the page of a venv or of pipx.
+
 The wheel is installed with no index: into a venv created without pip (the pip running these
 tests installs into it), whose dependencies come from this interpreter's site-packages through a
 ``.pth`` file, so the tests need no network. Every shell runs with an empty ``HOME`` and a
@@ -306,3 +311,186 @@ def test_install_completion_zsh_writes_where_an_interactive_zsh_reads(
     assert done.returncode == 0, done.stdout + done.stderr
     shell = run(["zsh", "-i", "-c", 'print -r -- "COMPS ${_comps[shmctl]-}"'], env)
     assert "COMPS _shmctl" in shell.stdout.splitlines(), shell.stdout + shell.stderr
+
+
+# ------------------------------------------------ shmctl completion, shmctl man: any install
+#
+# What docs/install.md leads with, for every install path: the script and the page come from
+# the shmctl on PATH, wherever its venv lives, so nothing is added to any search path.
+
+#: docs/install.md's lines, as written there; each is run below as a user would run it.
+BASHRC_LINE = "source <(shmctl completion bash)"
+ZSHRC_LINE = "source <(shmctl completion zsh)"
+ZFUNC_LINE = "mkdir -p ~/.zfunc && shmctl completion zsh > ~/.zfunc/_shmctl"
+ROOT_FPATH_LINE = 'shmctl completion zsh > "${fpath[1]}/_shmctl"'
+FISH_LINE = "shmctl completion fish | source"
+MAN_LINE = "shmctl man | man -l -"
+PIPX_MAN_LINE = "mkdir -p ~/.local/share/man/man1 && shmctl man > ~/.local/share/man/man1/shmctl.1"
+DOCUMENTED = (BASHRC_LINE, ZSHRC_LINE, ZFUNC_LINE, ROOT_FPATH_LINE, FISH_LINE, MAN_LINE, PIPX_MAN_LINE)
+
+
+def test_the_lines_run_here_are_the_ones_docs_install_md_gives() -> None:
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "install.md").read_text().split())
+    assert [line for line in DOCUMENTED if line not in text] == []
+
+
+#: bash-completion, then the script `shmctl completion bash` prints, then its function called as
+#: bash calls it for each line given (one per argument, the word under the cursor last).
+BASH_SOURCED = r"""
+. "$1" || exit 90
+shift
+source <(shmctl completion bash) || exit 91
+printf 'SPEC %s\n' "$(complete -p shmctl)"
+for line in "$@"; do
+  read -ra COMP_WORDS <<<"$line"
+  [[ $line == *" " ]] && COMP_WORDS+=("")
+  COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 )); COMP_LINE=$line; COMP_POINT=${#line}; COMPREPLY=()
+  _shmctl_completion shmctl "${COMP_WORDS[COMP_CWORD]}" "${COMP_WORDS[COMP_CWORD-1]}"
+  printf 'REPLY %s\n' "${COMPREPLY[*]}"
+done
+"""
+
+#: compinit with the given directory first on $fpath, then the function registered for shmctl
+#: called for ``shmctl <Tab>`` and ``shmctl completion <Tab>``; _arguments stands in as above.
+ZSH_FPATH = r"""
+fpath=("$1" $fpath)
+autoload -Uz compinit && compinit -D
+print -r -- "COMPS ${_comps[shmctl]-}"
+_arguments() { print -r -- "ARGUMENTS $*" }
+words=(shmctl "") CURRENT=2
+$_comps[shmctl]
+words=(shmctl completion "") CURRENT=3
+$_comps[shmctl]
+"""
+
+
+def zsh_offers(stdout: str) -> list[list[str]]:
+    """The words each call of the function offered: ``_arguments *: :(("scan":"help" ...))``."""
+    return [
+        re.findall(r'(?:\(\(| )"([a-z][a-z0-9-]*)"', line)
+        for line in stdout.splitlines()
+        if line.startswith("ARGUMENTS ")
+    ]
+
+
+SHELLS = ["bash", "zsh", "fish"]
+
+
+@pytest.mark.parametrize("kind", ["venv", "pipx"])
+def test_bash_completes_with_the_script_shmctl_completion_prints(
+    install: Install, tmp_path: Path, kind: str
+) -> None:
+    needs("bash-completion")
+    env = clean_env(tmp_path, [install.path(kind)])  # no XDG_DATA_DIRS: nothing points at the venv
+    argv = ["bash", "--norc", "--noprofile", "-c", BASH_SOURCED, "bash", str(BASH_COMPLETION)]
+    done = run([*argv, "shmctl ", "shmctl completion ", "shmctl completion z"], env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "SPEC complete -o default -F _shmctl_completion shmctl"
+    assert lines[1:] == [f"REPLY {' '.join(commands())}", "REPLY bash zsh fish", "REPLY zsh"]
+
+
+def test_an_interactive_bash_with_the_docs_bashrc_line_completes_shmctl(
+    install: Install, tmp_path: Path
+) -> None:
+    needs("bash")
+    (tmp_path / ".bashrc").write_text(BASHRC_LINE + "\n")
+    shell = run(["bash", "-i", "-c", "complete -p shmctl"], clean_env(tmp_path, [install.pipx_bin]))
+    assert shell.stdout.strip() == "complete -o default -F _shmctl_completion shmctl", shell.stderr
+
+
+@pytest.mark.parametrize("kind", ["venv", "pipx"])
+@pytest.mark.parametrize("line", [ZFUNC_LINE, ROOT_FPATH_LINE], ids=["zfunc", "fpath1"])
+def test_zsh_autoloads_the_file_shmctl_completion_writes_to_fpath_and_completes(
+    install: Install, tmp_path: Path, kind: str, line: str
+) -> None:
+    needs("zsh")
+    env = clean_env(tmp_path, [install.path(kind)])
+    site_functions = tmp_path / ".zfunc"
+    if line == ROOT_FPATH_LINE:  # the first directory of $fpath: a root's, here one of the test's
+        site_functions = tmp_path / "site-functions"
+        site_functions.mkdir()
+    written = run(["zsh", "-f", "-c", f'fpath=("$1" $fpath); {line}', "zsh", str(site_functions)], env)
+    assert written.returncode == 0, written.stderr
+    done = run(["zsh", "-f", "-c", ZSH_FPATH, "zsh", str(site_functions)], env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "COMPS _shmctl" in done.stdout.splitlines()
+    assert zsh_offers(done.stdout) == [commands(), SHELLS]
+
+
+def test_zsh_completes_with_the_script_sourced_after_compinit(install: Install, tmp_path: Path) -> None:
+    needs("zsh")
+    sourced = (
+        "autoload -Uz compinit && compinit -D\n"
+        + ZSHRC_LINE
+        + r""" || exit 91
+print -r -- "COMPS ${_comps[shmctl]-}"
+_arguments() { print -r -- "ARGUMENTS $*" }
+words=(shmctl "") CURRENT=2
+$_comps[shmctl]
+"""
+    )
+    done = run(["zsh", "-f", "-c", sourced], clean_env(tmp_path, [install.pipx_bin]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "COMPS _shmctl_completion" in done.stdout.splitlines()
+    assert zsh_offers(done.stdout) == [commands()]
+
+
+def test_fish_completes_with_the_script_shmctl_completion_prints(install: Install, tmp_path: Path) -> None:
+    needs("fish")
+    script = (
+        "shmctl completion fish | source; complete -C 'shmctl '; echo END; complete -C 'shmctl completion '"
+    )
+    done = run(["fish", "--no-config", "-c", script], clean_env(tmp_path, [install.pipx_bin]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    first, _, second = done.stdout.partition("END\n")
+    assert [line.split("\t")[0] for line in first.splitlines()] == commands()
+    assert [line.split("\t")[0] for line in second.splitlines()] == SHELLS
+
+
+def rendered_man_page(install: Install, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``shmctl man | man -l -`` from the pipx link, as docs/install.md has it."""
+    needs("man")
+    env = clean_env(tmp_path, [install.pipx_bin], MANPAGER="cat", MANWIDTH="100")
+    return run(["bash", "-c", f"set -o pipefail; {MAN_LINE.replace('man -l', 'man --warnings -l')}"], env)
+
+
+def test_shmctl_man_piped_to_man_renders_the_page_with_every_command(
+    install: Install, tmp_path: Path
+) -> None:
+    done = rendered_man_page(install, tmp_path)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert "NAME\n       shmctl - find, explain and safely reap" in done.stdout
+    for name in commands():
+        assert f"\n       shmctl {name}\n" in done.stdout, name  # the DESCRIPTION's list
+        assert f"\n   shmctl {name} [OPTIONS]" in done.stdout, name  # its section under COMMANDS
+
+
+def test_shmctl_man_prints_the_page_the_wheel_installs(install: Install, tmp_path: Path) -> None:
+    done = run(["shmctl", "man"], clean_env(tmp_path, [install.pipx_bin]))
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == (install.venv / "share" / "man" / "man1" / "shmctl.1").read_text()
+
+
+def test_man_finds_the_page_of_a_venv_whose_bin_is_on_path(install: Install, tmp_path: Path) -> None:
+    # man-db looks in BIN/../share/man for each BIN on PATH: a venv's bin, not pipx's link.
+    needs("man")
+    done = run(["man", "-w", "shmctl"], clean_env(tmp_path, [install.venv / "bin"]))
+    assert done.stdout.strip() == str(install.venv / "share" / "man" / "man1" / "shmctl.1"), done.stderr
+
+
+def test_for_pipx_the_page_shmctl_man_writes_to_local_share_man_is_found(
+    install: Install, tmp_path: Path
+) -> None:
+    needs("man")
+    local_bin = tmp_path / ".local" / "bin"  # pipx's PIPX_BIN_DIR, with its link to the venv
+    local_bin.mkdir(parents=True)
+    (local_bin / "shmctl").symlink_to(install.venv / "bin" / "shmctl")
+    env = clean_env(tmp_path, [local_bin])
+    # docs/install.md's lines for pipx, as written there
+    lines = "mkdir -p ~/.local/share/man/man1 && shmctl man > ~/.local/share/man/man1/shmctl.1"
+    assert run(["bash", "-c", lines], env).returncode == 0
+    done = run(["man", "-w", "shmctl"], env)
+    assert done.stdout.strip() == str(tmp_path / ".local" / "share" / "man" / "man1" / "shmctl.1"), (
+        done.stderr
+    )
