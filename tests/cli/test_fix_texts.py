@@ -124,7 +124,7 @@ def width(node: ast.expr) -> int | None:
     if isinstance(node, ast.Constant):
         return len(node.value) if isinstance(node.value, str) else None
     if isinstance(node, ast.JoinedStr):
-        return sum(len(v.value) if isinstance(v, ast.Constant) else PLACEHOLDER for v in node.values)
+        return sum(len(str(v.value)) if isinstance(v, ast.Constant) else PLACEHOLDER for v in node.values)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         left, right = width(node.left), width(node.right)
         return None if left is None or right is None else left + right
@@ -137,7 +137,9 @@ def _literal_text(node: ast.expr) -> str:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.JoinedStr):
-        return "".join(v.value if isinstance(v, ast.Constant) else "x" * PLACEHOLDER for v in node.values)
+        return "".join(
+            str(v.value) if isinstance(v, ast.Constant) else "x" * PLACEHOLDER for v in node.values
+        )
     return ""
 
 
