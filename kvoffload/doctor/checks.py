@@ -433,8 +433,8 @@ def _process_fixes(blind: Sequence[Uninspected], *, complete: bool, caps: int | 
             add = f"add {' and '.join(missing)}"
             fixes.append(add if os.geteuid() == 0 else f"run as root, or {add}")
         else:
-            # Root with both: what refuses is an LSM, or a process in a user namespace above
-            # this one or with capabilities this one lacks; none of them is ours to change.
+            # Both held, and still refused: a Linux security module, or a process in a user
+            # namespace above this one. No capability would help; a vouch is what is left.
             fixes.append(
                 "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH are held: vouch with --assume-not-holding PID"
             )
