@@ -307,7 +307,7 @@ def plan(config: OffloadingSettings) -> InitPlan:
         tiers=_tiers(config, sizing),
         stages=plan_stages(config),
         capacity=capacity,
-        huge_pages=check_huge_pages(config.root),
+        huge_pages=check_huge_pages(config.root, region_bytes=sizing.total_bytes),
         warnings=tuple(warnings),
     )
 

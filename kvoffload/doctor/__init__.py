@@ -7,18 +7,23 @@ starting an engine with CPU offload, in this order:
   full (``statvfs``, exact bytes), against the node's memory (``/proc/meminfo``);
 * ``space``: do the planned regions fit (``--plan`` sized as ``shmctl init --dry-run`` sizes
   them, or ``--need BYTES``), with the plan's own fix when they do not;
-* ``huge-pages``: does the root's mount back regions with huge pages (the mount's ``huge=``
-  and ``shmem_enabled``); the fix is the one ``init --dry-run`` prints;
+* ``huge-pages``: does the root's mount back the planned regions with huge pages (the mount's
+  ``huge=`` and ``shmem_enabled``), weighed only for a planned region of 1 GiB or more (an
+  ``init`` matter: nothing planned is ``skip``); the fix is the one ``init --dry-run`` prints;
 * ``leases``: ``fs.leases-enable`` and ``fs.lease-break-time``;
 * ``cap-lease``: ``CAP_LEASE`` in the effective set (a lease on other users' files);
 * ``processes``: can the fds and maps of every process be read, and does this ``/proc``
-  show every process: the same pass ``scan`` makes;
+  show every process: the same pass ``scan`` makes; its fix names only the capabilities
+  missing from this process's ``CapEff``;
 * ``populate-write``: does the kernel pre-fault with ``MADV_POPULATE_WRITE`` (Linux >= 5.14),
   asked through the region's own probe;
 * ``textfile``: can ``shmctl metrics --textfile`` write where node_exporter reads.
 
-Each ``Check`` carries a status word, a one-line finding with exact figures, the fix where
-there is one, and the facts it was decided on (``data``). The words mean: ``ok``; ``warn``:
+Each ``Check`` carries a status word, a one-line finding, the fix where there is one, and
+the facts it was decided on (``data``, in exact figures). A finding and a fix each fit two
+lines of an 80-column terminal in ``shmctl doctor``'s table (``FINDING_WIDTH``,
+``FIX_WIDTH``); what does not fit is in docs/doctor.md, under the check's anchor the fix
+links to. The words mean: ``ok``; ``warn``:
 shmctl works, with less certainty, speed or room than it could have; ``fail``: something will
 not work (a region does not fit or would not be in memory, reap can prove nothing, the
 textfile cannot be written); ``skip``: nothing to check (no plan given, no textfile
@@ -42,9 +47,14 @@ textfile directory.
 """
 
 from kvoffload.doctor.checks import (
+    CAP_DAC_READ_SEARCH,
     CAP_LEASE,
+    CAP_SYS_PTRACE,
     DEFAULT_TEXTFILE,
     DOCKER_DEFAULT_SHM,
+    FINDING_WIDTH,
+    FIX_WIDTH,
+    PROCESS_CAPABILITIES,
     PROM_FILE,
     Check,
     CheckStatus,
@@ -56,6 +66,7 @@ from kvoffload.doctor.checks import (
     check_root,
     check_space,
     check_textfile,
+    missing_capabilities,
 )
 from kvoffload.doctor.facts import (
     MEMORY_FILESYSTEMS,
@@ -81,11 +92,16 @@ from kvoffload.shm.mounts import HugePages
 from kvoffload.shm.names import DEFAULT_ROOT
 
 __all__ = [
+    "CAP_DAC_READ_SEARCH",
     "CAP_LEASE",
+    "CAP_SYS_PTRACE",
     "DEFAULT_ROOT",
     "DEFAULT_TEXTFILE",
     "DOCKER_DEFAULT_SHM",
+    "FINDING_WIDTH",
+    "FIX_WIDTH",
     "MEMORY_FILESYSTEMS",
+    "PROCESS_CAPABILITIES",
     "PROM_FILE",
     "SCHEMA_VERSION",
     "CapabilityFacts",
@@ -113,6 +129,7 @@ __all__ = [
     "diagnose",
     "effective_capabilities",
     "lease_facts",
+    "missing_capabilities",
     "planned_bytes",
     "planned_from_config",
     "planned_from_files",

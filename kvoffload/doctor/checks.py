@@ -54,6 +54,16 @@ PROM_FILE = "shmctl.prom"
 CAP_LEASE = 28
 #: Docker's default ``--shm-size``: a container's /dev/shm that no real region fits.
 DOCKER_DEFAULT_SHM = 64 << 20
+#: Bits of the capabilities the ``/proc`` pass needs to read other users' processes.
+CAP_DAC_READ_SEARCH = 2
+CAP_SYS_PTRACE = 19
+#: Where each check's whole story is: a finding and its fix fit two lines of a terminal
+#: (``FIX_WIDTH``), and what does not fit is under the check's anchor there.
+DOC = "docs/doctor.md"
+#: The longest finding or fix, so a row of ``shmctl doctor`` (24 columns of CHECK and STATUS,
+#: then ``fix: ``) stays within two lines of 80 columns on the default root.
+FINDING_WIDTH = 160 - 24
+FIX_WIDTH = FINDING_WIDTH - len("fix: ")
 
 
 class CheckStatus(StrEnum):
@@ -83,17 +93,17 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _amount(n: int) -> str:
-    """Exact bytes, and the same for a person: ``25276502016 bytes (23.5 GiB)``."""
-    return f"{n} bytes ({_human(n)})"
+def _link(anchor: str) -> str:
+    return f"{DOC}#{anchor}"
 
 
 # ----------------------------------------------------------------- root and space
 
 
 def _memory_text(facts: RootFacts) -> str:
+    # Sizes for a person: the exact bytes of every figure are the check's data (--json).
     parts = [
-        f"{key} {value} ({_human(value)})"
+        f"{key} {_human(value)}"
         for key, value in (
             ("MemTotal", facts.mem_total_bytes),
             ("MemAvailable", facts.mem_available_bytes),
@@ -101,24 +111,22 @@ def _memory_text(facts: RootFacts) -> str:
         )
         if value is not None
     ]
-    return "node memory: " + ", ".join(parts) if parts else "node memory unknown (no /proc/meminfo)"
+    return "node: " + ", ".join(parts) if parts else "node memory unknown (no /proc/meminfo)"
 
 
 def check_root(facts: RootFacts) -> Check:
     where = facts.mount_point if facts.mount_point is not None else "an unknown mount point"
     quoted = shlex.quote(str(where))
     fs = facts.fs_type or "an unknown filesystem"
-    usage = (
-        f"{fs if where == facts.path else f'{fs} mounted at {where}'}: {_amount(facts.size_bytes)}, "
-        f"{facts.used_bytes} used, {facts.free_bytes} free; {_memory_text(facts)}"
-    )
+    fs = fs if where == facts.path else f"{fs} at {where}"
+    size = f"{fs}, {_human(facts.size_bytes)}"
     if not facts.in_memory:
         return Check(
             "root",
             CheckStatus.FAIL,
-            f"{facts.path} is on {usage}: not tmpfs or hugetlbfs, so a region there is written to "
-            "disk and reap removes nothing from it (without --any-filesystem)",
-            "pass the engines' shm mount as --root (/dev/shm), or mount a tmpfs there: "
+            f"{facts.path} is on {size}: not tmpfs or hugetlbfs, so regions there go to disk and reap "
+            "removes nothing there",
+            "--root the engines' shm mount, or: "
             f"mount -t tmpfs -o size=BYTES,huge=within_size tmpfs {shlex.quote(str(facts.path))}",
             facts,
         )
@@ -126,7 +134,7 @@ def check_root(facts: RootFacts) -> Check:
         return Check(
             "root",
             CheckStatus.FAIL,
-            f"{facts.path}: {usage}: read-only, so no region can be created and reap removes nothing",
+            f"{facts.path}: {size}, read-only: no region can be created and reap removes nothing",
             f"mount -o remount,rw {quoted}",
             facts,
         )
@@ -134,9 +142,9 @@ def check_root(facts: RootFacts) -> Check:
         return Check(
             "root",
             CheckStatus.WARN,
-            f"{facts.path}: {usage}: 64 MiB is Docker's default --shm-size, too small for a real region",
-            "docker run --shm-size=BYTES (or --ipc=host); Kubernetes: an emptyDir "
-            "{medium: Memory, sizeLimit: BYTES}; --plan or --need says how much",
+            f"{facts.path}: {size}: Docker's default --shm-size, too small for a real region",
+            "docker run --shm-size=BYTES (or --ipc=host); Kubernetes: emptyDir {medium: Memory, "
+            "sizeLimit: BYTES}; --need says how much",
             facts,
         )
     total = facts.mem_total_bytes
@@ -144,19 +152,13 @@ def check_root(facts: RootFacts) -> Check:
         return Check(
             "root",
             CheckStatus.WARN,
-            f"{facts.path}: {usage}: its size is more than the node's memory, so regions that fill "
-            "it would push the node into swap or the OOM killer",
+            f"{facts.path}: {size}, more than MemTotal {_human(total)}: regions that fill it push the "
+            "node into swap or the OOM killer",
             f"mount -o remount,size={total // 2} {quoted} (half of MemTotal, the kernel's default)",
             facts,
         )
-    return Check("root", CheckStatus.OK, f"{facts.path}: {usage}", None, facts)
-
-
-def _regions_text(regions: Sequence[PlannedRegion]) -> str:
-    # Engine ids stay in the data: a config without one gets a fresh uuid, as vLLM does.
-    shown = [f"{r.bytes} for {r.source}" for r in regions[:3]]
-    more = f" and {len(regions) - 3} more" if len(regions) > 3 else ""
-    return ", ".join(shown) + more
+    usage = f"{_human(facts.used_bytes)} used, {_human(facts.free_bytes)} free"
+    return Check("root", CheckStatus.OK, f"{facts.path}: {size}, {usage}; {_memory_text(facts)}", None, facts)
 
 
 def check_space(facts: RootFacts, planned: Sequence[PlannedRegion]) -> Check:
@@ -172,7 +174,8 @@ def check_space(facts: RootFacts, planned: Sequence[PlannedRegion]) -> Check:
             None,
             data,
         )
-    need = f"{len(regions)} planned region(s) need {_amount(needed)} ({_regions_text(regions)})"
+    # Each region's source, engine id and exact bytes are the data's (--json).
+    need = f"{len(regions)} planned region(s) need {_human(needed)}"
     if needed > facts.free_bytes:
         from kvoffload.bringup.plan import check_capacity
 
@@ -183,7 +186,8 @@ def check_space(facts: RootFacts, planned: Sequence[PlannedRegion]) -> Check:
         return Check(
             "space",
             CheckStatus.FAIL,
-            f"{need}; {facts.path} has {_amount(facts.free_bytes)} free: it does not fit",
+            f"{need}; {facts.path} has {_human(facts.free_bytes)} free: {needed - facts.free_bytes} "
+            "bytes short, it does not fit",
             fix,
             data,
         )
@@ -191,27 +195,38 @@ def check_space(facts: RootFacts, planned: Sequence[PlannedRegion]) -> Check:
         return Check(
             "space",
             CheckStatus.WARN,
-            f"{need}: it fits the {_amount(facts.free_bytes)} free, but MemAvailable is "
-            f"{_amount(available)}: pre-faulting would push the node into swap or the OOM killer",
+            f"{need}: it fits the {_human(facts.free_bytes)} free, but MemAvailable is "
+            f"{_human(available)}: pre-faulting would push the node into swap or the OOM killer",
             "free memory on the node first, or lower cpu_bytes_to_use",
             data,
         )
-    room = f", MemAvailable {_amount(available)}" if available is not None else ""
-    return Check(
-        "space", CheckStatus.OK, f"{need}: {_amount(facts.free_bytes)} free{room}: it fits", None, data
-    )
+    room = f", MemAvailable {_human(available)}" if available is not None else ""
+    fits = f"{need}: {_human(facts.free_bytes)} free{room}: it fits"
+    return Check("space", CheckStatus.OK, fits, None, data)
 
 
 def check_huge_pages(
-    facts: RootFacts, *, proc_root: Path = procfs.PROC_ROOT, sysfs: Path = mounts.THP_SYSFS
+    facts: RootFacts,
+    planned: Sequence[PlannedRegion] = (),
+    *,
+    proc_root: Path = procfs.PROC_ROOT,
+    sysfs: Path = mounts.THP_SYSFS,
 ) -> Check:
-    """Whether the root's mount gives regions huge pages; the fix is ``huge_pages_advice``'s,
-    word for word what ``shmctl init --dry-run`` prints."""
+    """Whether the root's mount gives the planned regions huge pages where they pay off.
+
+    Huge pages are ``init``'s matter: the speed of pre-faulting a region. So 4 KiB pages are
+    a ``warn`` only for a planned region (``--plan``, ``--need``) that huge pages pay off for
+    (``mounts.huge_pages_pay_off``: 1 GiB and up), with ``huge_pages_advice``'s fix, word for
+    word what ``shmctl init --dry-run`` prints for it; with nothing planned the check is
+    ``skip``, and a smaller region is ``ok``.
+    """
+    largest = max((r.bytes for r in planned), default=0)
     pages = mounts.check_huge_pages(
         facts.path,
         mountinfo=proc_root / "self" / "mountinfo",
         mounts=proc_root / "self" / "mounts",
         sysfs=sysfs,
+        region_bytes=largest,
     )
     system = f"shmem_enabled {pages.shmem_enabled}" if pages.shmem_enabled else "no shmem_enabled"
     if facts.fs_type == "hugetlbfs":
@@ -220,20 +235,33 @@ def check_huge_pages(
         )
     if facts.fs_type != "tmpfs":
         return Check("huge-pages", CheckStatus.SKIP, f"{facts.path} is not a tmpfs (see root)", None, pages)
-    policy = f"huge={pages.huge}, {system}"
-    if pages.effective == "never":
+    policy = f"{pages.mount_point}: huge={pages.huge}, {system}"
+    if pages.effective != "never":
+        return Check(
+            "huge-pages", CheckStatus.OK, f"{policy}: regions get huge pages ({pages.effective})", None, pages
+        )
+    if not planned:
         return Check(
             "huge-pages",
-            CheckStatus.WARN,
-            f"{pages.mount_point}: {policy}: regions get 4 KiB pages",
-            pages.fix,
+            CheckStatus.SKIP,
+            f"{policy}: 4 KiB pages; --plan or --need says whether a region needs huge pages",
+            None,
+            pages,
+        )
+    if pages.fix is None:
+        return Check(
+            "huge-pages",
+            CheckStatus.OK,
+            f"{policy}: 4 KiB pages, enough for a region of {_human(largest)} (huge pages pay off "
+            f"from {_human(mounts.HUGE_PAGES_PAY_OFF_BYTES)})",
+            None,
             pages,
         )
     return Check(
         "huge-pages",
-        CheckStatus.OK,
-        f"{pages.mount_point}: {policy}: regions get huge pages ({pages.effective})",
-        None,
+        CheckStatus.WARN,
+        f"{policy}: a region of {_human(largest)} gets 4 KiB pages",
+        pages.fix,
         pages,
     )
 
@@ -254,8 +282,8 @@ def check_leases(facts: LeaseFacts) -> Check:
         return Check(
             "leases",
             CheckStatus.WARN,
-            "fs.leases-enable = 0: the kernel grants no write lease, so scan proves a file free from "
-            "/proc and locks alone (fail-closed: what they cannot prove stays unknown, never reaped)",
+            "fs.leases-enable = 0: no write lease, so scan proves files free from /proc and locks "
+            "alone (what they cannot prove stays unknown)",
             "sysctl -w fs.leases-enable=1, and keep it in /etc/sysctl.d/ (the sysctl is node-wide)",
             facts,
         )
@@ -264,18 +292,18 @@ def check_leases(facts: LeaseFacts) -> Check:
         return Check(
             "leases",
             CheckStatus.WARN,
-            "fs.leases-enable = 1; fs.lease-break-time = 0, which means a lease break never times "
-            "out: an engine's open() waits as long as a frozen shmctl holds its lease",
+            "fs.lease-break-time = 0: a lease break never times out, so an engine's open() waits "
+            "as long as a frozen shmctl holds it",
             "sysctl -w fs.lease-break-time=5 (1 to 5 s bounds a frozen shmctl at no cost; docs/leases.md)",
             facts,
         )
     bound = (
-        f"fs.lease-break-time = {wait:g} s, the longest an engine's open() waits on a frozen shmctl"
+        f"fs.lease-break-time = {wait:g} s bounds an engine's wait on a frozen shmctl"
         if wait is not None
         else "fs.lease-break-time cannot be read"
     )
     return Check(
-        "leases", CheckStatus.OK, f"fs.leases-enable = 1: write leases prove files free; {bound}", None, facts
+        "leases", CheckStatus.OK, f"fs.leases-enable = 1: leases prove files free; {bound}", None, facts
     )
 
 
@@ -296,8 +324,8 @@ def check_cap_lease(leases: LeaseFacts, *, proc_root: Path = procfs.PROC_ROOT) -
         return Check(
             "cap-lease",
             CheckStatus.WARN,
-            f"CapEff cannot be read from {proc_root}/self/status: whether leases reach other users' files "
-            "is unknown",
+            f"CapEff cannot be read from {proc_root}/self/status: whether leases reach other users' "
+            "files is unknown",
             None,
             facts,
         )
@@ -312,11 +340,12 @@ def check_cap_lease(leases: LeaseFacts, *, proc_root: Path = procfs.PROC_ROOT) -
     return Check(
         "cap-lease",
         CheckStatus.WARN,
-        f"CAP_LEASE is not in the effective set (CapEff {facts.cap_eff}, uid {euid}): a write lease "
-        f"only on files uid {euid} owns; another user's dead region stays unknown, never reaped",
-        "run shmctl as root with CAP_LEASE: systemd CapabilityBoundingSet=CAP_LEASE (deploy/systemd), "
-        "docker run --cap-add LEASE, Kubernetes securityContext.capabilities.add: [LEASE] "
-        "(deploy/kubernetes/daemonset.yaml)",
+        f"CAP_LEASE is not in the effective set (CapEff {facts.cap_eff}, uid {euid}): another user's "
+        "dead region stays unknown, never reaped",
+        # Root is part of the fix only for a process that is not: a capability added to a
+        # non-root process is lost at exec where no ambient set keeps it (Kubernetes).
+        f"{'add CAP_LEASE' if euid == 0 else 'run as root with CAP_LEASE'}: docker run --cap-add LEASE, "
+        f"Kubernetes capabilities.add: [LEASE] ({_link('cap-lease')})",
         facts,
     )
 
@@ -330,7 +359,12 @@ def _reason(error: str, what: str) -> str:
 
 
 def check_processes(leases: LeaseFacts, *, proc_root: Path = procfs.PROC_ROOT) -> Check:
-    """Read every process's fds and maps as ``scan`` does, and count those that refuse."""
+    """Read every process's fds and maps as ``scan`` does, and count those that refuse.
+
+    The fix is true to this process's effective capabilities (``CapEff``): it names only the
+    capabilities the pass needs that are missing, and where none is missing it says so rather
+    than advise what is already held.
+    """
     from kvoffload.liveness.holders import collect_holders
     from kvoffload.liveness.namespace import visibility
 
@@ -358,45 +392,68 @@ def check_processes(leases: LeaseFacts, *, proc_root: Path = procfs.PROC_ROOT) -
     problems = []
     refused = [u for u in blind if u.pid > 0]  # pid 0: a whole-/proc blind spot (hidepid, no listing)
     if blind:
-        why = ", ".join(f"{n} {reason}" for reason, n in reasons.most_common())
-        problems.append(
-            f"{len(refused)} of {index.processes + len(refused)} processes cannot be inspected ({why}): "
-            + "; ".join(facts.first)
-        )
+        # The commonest reason and the first process: every reason and the first three are
+        # the data's (--json), as scan names them.
+        (reason, n), *others = reasons.most_common()
+        more = f" +{len(others)} reason{'s' if len(others) > 1 else ''}" if others else ""
+        first = f"; pid {refused[0].pid} first" if refused else ""
+        total = index.processes + len(refused)
+        problems.append(f"{len(refused)} of {total} processes unreadable ({n} {reason}{more}{first})")
     if not view.complete:
-        problems.append(f"{proc_root} shows {view.detail}")
-    fixes = _process_fixes(blind, complete=view.complete)
+        problems.append(f"{proc_root} shows a child PID namespace" if view.pid_namespace else view.detail)
+    caps = effective_capabilities(proc_root)
+    fixes = _process_fixes(blind, complete=view.complete, caps=caps)
     if leases.leases_enable is False:
         status = CheckStatus.FAIL
-        outcome = "leases are off, so every file they could hold stays unknown and reap removes none of it"
-        fixes.insert(0, "sysctl -w fs.leases-enable=1 (the lease proves files free whoever holds them)")
+        outcome = "leases are off: what they hold stays unknown, never reaped"
+        fixes.insert(0, "sysctl -w fs.leases-enable=1")
     else:
         status = CheckStatus.WARN
-        outcome = (
-            "the write lease still proves files free, but scan cannot name them as holders "
-            "(with --no-lease their files would stay unknown)"
-        )
-    return Check("processes", status, "; ".join([*problems, outcome]), "; ".join(fixes), facts)
+        outcome = "the lease still proves files free, but not who holds them"
+    return Check("processes", status, "; ".join([*problems, outcome]), _fits(fixes, "processes"), facts)
 
 
-def _process_fixes(blind: Sequence[Uninspected], *, complete: bool) -> list[str]:
+#: The capabilities the /proc pass needs for other users' processes, as the fix names them.
+PROCESS_CAPABILITIES = (("CAP_SYS_PTRACE", CAP_SYS_PTRACE), ("CAP_DAC_READ_SEARCH", CAP_DAC_READ_SEARCH))
+
+
+def missing_capabilities(caps: int | None) -> list[str]:
+    """The names of ``PROCESS_CAPABILITIES`` not in ``caps`` (CapEff); all of them when unknown."""
+    return [name for name, bit in PROCESS_CAPABILITIES if caps is None or not caps >> bit & 1]
+
+
+def _process_fixes(blind: Sequence[Uninspected], *, complete: bool, caps: int | None) -> list[str]:
     fixes = []
     errors = {u.error for u in blind}
     if "hidepid" in errors:
-        fixes.append("remount /proc without hidepid (mount -o remount,hidepid=0 /proc), or run as root")
+        fixes.append("mount -o remount,hidepid=0 /proc")
     if errors & {"EACCES", "EPERM"}:
-        if os.geteuid() != 0:
-            fixes.append("run as root")
+        missing = missing_capabilities(caps)
+        if missing:
+            add = f"add {' and '.join(missing)}"
+            fixes.append(add if os.geteuid() == 0 else f"run as root, or {add}")
         else:
+            # Both held, and still refused: a Linux security module, or a process in a user
+            # namespace above this one. No capability would help; a vouch is what is left.
             fixes.append(
-                "give shmctl CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH (docs/fleet.md), or vouch for a "
-                "process that maps no region with --assume-not-holding PID"
+                "CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH are held: vouch with --assume-not-holding PID"
             )
     if not complete:
-        fixes.append("run in the host's PID namespace (Kubernetes hostPID: true; not inside a container's)")
+        fixes.append("run in the host's PID namespace (hostPID: true)")
     if not fixes:
         fixes.append("run again: a process that could not be read may have been exiting")
     return fixes
+
+
+def _fits(fixes: Sequence[str], anchor: str) -> str:
+    """``fixes`` joined, as many as fit ``FIX_WIDTH`` with the link to the rest, in order."""
+    link = f" ({_link(anchor)})"
+    kept: list[str] = []
+    for fix in fixes:
+        if len("; ".join([*kept, fix]) + link) > FIX_WIDTH and kept:
+            break
+        kept.append(fix)
+    return "; ".join(kept) + link
 
 
 # ----------------------------------------------------------------- kernel
@@ -417,8 +474,8 @@ def check_populate_write() -> Check:
         return Check(
             "populate-write",
             CheckStatus.WARN,
-            f"madvise(MADV_POPULATE_WRITE) on a page of shared memory failed on Linux {kernel}: "
-            f"{code} ({e.strerror}); a region would fail the same way",
+            f"madvise(MADV_POPULATE_WRITE) failed on Linux {kernel}: {code} ({e.strerror}); a region "
+            "would fail the same way",
             "look for a seccomp profile or LSM that refuses madvise to this process",
             facts,
         )
@@ -434,8 +491,8 @@ def check_populate_write() -> Check:
     return Check(
         "populate-write",
         CheckStatus.WARN,
-        f"Linux {kernel} has no MADV_POPULATE_WRITE (5.14 and later do): regions are pre-faulted by "
-        "writing one byte per page, a slower start",
+        f"Linux {kernel} has no MADV_POPULATE_WRITE (5.14 has): regions are pre-faulted a byte per "
+        "page, a slower start",
         "run a kernel >= 5.14",
         facts,
     )
@@ -462,8 +519,8 @@ def check_textfile(directory: Path | None = None, *, default: Path = DEFAULT_TEX
             return Check(
                 "textfile",
                 CheckStatus.SKIP,
-                f"no {path} (the textfile directory of Debian's and Ubuntu's prometheus-node-exporter); "
-                "--textfile DIR checks another",
+                f"no {path} (Debian's and Ubuntu's node_exporter textfile directory); --textfile DIR "
+                "checks another",
                 None,
                 facts,
             )
@@ -494,8 +551,7 @@ def check_textfile(directory: Path | None = None, *, default: Path = DEFAULT_TEX
             "textfile",
             CheckStatus.FAIL,
             f"{path}: cannot create a file in it ({error}): shmctl metrics cannot write {PROM_FILE} there",
-            "run shmctl metrics as a user that may write there, or make the directory writable "
-            f"(a read-only mount: mount -o remount,rw {quoted})",
+            f"make {quoted} writable to this user (a read-only mount: mount -o remount,rw {quoted})",
             facts,
         )
     try:

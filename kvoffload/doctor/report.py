@@ -83,7 +83,7 @@ def diagnose(
     checks = (
         check_root(facts),
         check_space(facts, planned),
-        check_huge_pages(facts, proc_root=proc_root, sysfs=sysfs),
+        check_huge_pages(facts, planned, proc_root=proc_root, sysfs=sysfs),
         check_leases(leases),
         check_cap_lease(leases, proc_root=proc_root),
         check_processes(leases, proc_root=proc_root),

@@ -15,8 +15,10 @@ The public API, for the region, the plan and ``shmctl scan``:
   (``shmem_enabled``). ``huge_pages`` is the policy the kernel applies to the mount's
   files: ``deny`` there turns every tmpfs off, ``force`` turns every one on.
 * ``huge_pages_advice(info) -> str | None``: for a tmpfs whose files get 4 KiB pages, the
-  fix in words and commands, with the speed-up measured by ``bench/bench_region.py``;
-  ``None`` where huge pages are already on or where a remount would not change anything.
+  fix in one command, with the speed-up measured by ``bench/bench_region.py`` and a link to
+  the docs for the rest (Docker, Kubernetes); ``None`` where huge pages are already on or
+  where a remount would not change anything. ``huge_pages_pay_off(bytes)`` is the rule for
+  which regions it is given for (``HUGE_PAGES_PAY_OFF_BYTES``, 1 GiB).
 * ``huge_page_size()``: the size of one PMD huge page (2 MiB on x86-64).
 
 Invariant: nothing here writes or mounts anything, and every path it reads is a parameter
@@ -34,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload import syscalls
-from kvoffload.shm.names import DEFAULT_ROOT
 
 MOUNTINFO = Path("/proc/self/mountinfo")
 MOUNTS = Path("/proc/self/mounts")
@@ -48,6 +49,12 @@ HUGE_POLICIES = ("never", "always", "within_size", "advise")
 #: this figure to that table.
 #: The figure the advice quotes; the bench prints the current one as a row.
 HUGE_PAGE_SPEEDUP = 5.0
+#: The smallest region the huge-page advice is given for: at the bench's 2.2 GiB/s on 4 KiB pages
+#: a 1 GiB region takes about 0.45 s to pre-fault (0.08 s on huge pages); below it the saving is
+#: a fraction of an engine's start, not worth a remount of the node's /dev/shm.
+HUGE_PAGES_PAY_OFF_BYTES = 1 << 30
+#: Where the advice's long form lives: Docker, Kubernetes, shmem_enabled, and the rule above.
+HUGE_PAGES_DOC = "docs/doctor.md#huge-pages"
 _DEFAULT_HUGE_PAGE = 2 << 20
 _ESCAPE = re.compile(rb"\\([0-7]{3})")
 _SIZE = re.compile(r"^(\d+)([kmgtpe]?)$", re.IGNORECASE)
@@ -256,42 +263,27 @@ def root_mount(
 def huge_pages_advice(info: MountInfo | None, *, factor: float = HUGE_PAGE_SPEEDUP) -> str | None:
     """How to give a tmpfs root huge pages, or None where it has them (or is no tmpfs).
 
-    The commands name the real mount point, shell-quoted. Docker accepts no huge= for the
-    tmpfs it mounts in a container (``--shm-size``, ``--tmpfs``, ``--mount type=tmpfs``), and a
-    Kubernetes ``emptyDir {medium: Memory}`` has none either: those are reached through the
-    host's ``shmem_enabled``, or by handing the container a tmpfs the host mounted itself.
+    One command on the real mount point, shell-quoted, the measured speed-up and the link to
+    ``HUGE_PAGES_DOC``, short enough for two lines of a terminal: what Docker and Kubernetes
+    need (their tmpfs takes no huge=) is the doc's to say, not every run's.
     """
     if info is None or not info.is_tmpfs or info.huge_pages != "never":
         return None
     point = shlex.quote(str(info.mount_point))
-    knob = THP_SYSFS / "shmem_enabled"
+    remount = f"mount -o remount,huge=within_size {point}"
     if info.shmem_enabled == "deny":
-        why = f"{knob} is deny, which turns huge pages off for every tmpfs"
-        host = f"echo never > {knob} (or force), then mount -o remount,huge=within_size {point}"
-    else:
-        given = any(opt.startswith("huge=") for opt in info.options)
-        how = f"huge={info.huge}" if given else "without huge= (the default, never)"
-        why = f"{info.mount_point} is mounted {how}"
-        host = f"mount -o remount,huge=within_size {point}"
-    hints = [
-        f"pre-faulting runs on 4 KiB pages: {why}; with huge pages creating and pre-faulting a region "
-        f"is about {factor:g}x faster (bench/bench_region.py)",
-        f"on the host: {host}",
-    ]
-    if info.mount_point == DEFAULT_ROOT:
-        size = str(info.size_bytes) if info.size_bytes else "BYTES"
-        hints.append(
-            f"Docker passes no huge= to a container's tmpfs (--shm-size or "
-            f"--mount type=tmpfs,destination=/dev/shm,tmpfs-size={size}): set echo force > {knob} "
-            "on the host (every tmpfs there then gets huge pages), or run with --ipc=host and the "
-            "host's /dev/shm remounted huge=within_size"
-        )
-        hints.append(
-            "Kubernetes: an emptyDir {medium: Memory} has no huge= option either: shmem_enabled=force "
-            "on the node, or a hostPath volume of a tmpfs the node mounts with huge=within_size "
-            "(medium: HugePages-2Mi is hugetlbfs, with pages reserved on the node in advance, not a tmpfs)"
-        )
-    return "; ".join(hints)
+        # The sysfs path is the doc's: with it the line no longer fits two lines of a terminal.
+        return f"on the host: shmem_enabled deny to never, then {remount} ({HUGE_PAGES_DOC})"
+    return f"on the host: {remount}: pre-faulting is about {factor:g}x faster ({HUGE_PAGES_DOC})"
+
+
+def huge_pages_pay_off(region_bytes: int | None) -> bool:
+    """Whether a region of ``region_bytes`` is worth a remount for huge pages (None: any region).
+
+    The docs' rule (docs/doctor.md#huge-pages): from ``HUGE_PAGES_PAY_OFF_BYTES`` up, where 4 KiB
+    pages add a noticeable fraction of a second to every engine start.
+    """
+    return region_bytes is None or region_bytes >= HUGE_PAGES_PAY_OFF_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +291,8 @@ class HugePages:
     """How the root's mount backs the region: huge pages or 4 KiB ones, and the fix for the latter.
 
     ``huge`` is the mount's own huge= (a tmpfs without the option: "never"), ``effective``
-    what the kernel applies once ``shmem_enabled`` (deny, force) has had its say.
+    what the kernel applies once ``shmem_enabled`` (deny, force) has had its say. ``fix`` is
+    ``huge_pages_advice``'s, where the region in view is one huge pages pay off for.
     """
 
     mount_point: Path | None
@@ -316,8 +309,14 @@ def check_huge_pages(
     mountinfo: Path = MOUNTINFO,
     mounts: Path = MOUNTS,
     sysfs: Path = THP_SYSFS,
+    region_bytes: int | None = None,
 ) -> HugePages:
-    """Whether the root's mount gives the region huge pages; the fix, with the measured factor, if not."""
+    """Whether the root's mount gives the region huge pages; the fix, with the measured factor, if not.
+
+    ``region_bytes``: the region in view (``init``'s plan, ``doctor``'s largest planned one),
+    whose fix is given only where huge pages pay off for it (``huge_pages_pay_off``); None
+    (``scan``: the mount alone) gives the fix wherever the mount has 4 KiB pages.
+    """
     info = root_mount(root, mountinfo=mountinfo, mounts=mounts, sysfs=sysfs)
     if info is None:
         return HugePages(None, None, None, read_shmem_enabled(sysfs), "never", None)
@@ -327,7 +326,7 @@ def check_huge_pages(
         huge=info.huge,
         shmem_enabled=info.shmem_enabled,
         effective=info.huge_pages,
-        fix=huge_pages_advice(info),
+        fix=huge_pages_advice(info) if huge_pages_pay_off(region_bytes) else None,
     )
 
 

@@ -68,8 +68,8 @@ def unwritable_fix(error: OSError, where: Path, *, instead: str) -> str:
         errno.EROFS: f"{where} is on a read-only mount: remount it read-write, or {instead}",
         errno.EACCES: f"give this user write access to {where} (or run as its owner), or {instead}",
         errno.EPERM: (
-            f"{path} is protected: another user's file in a sticky directory such as /tmp, or an "
-            f"immutable or append-only one (lsattr): remove it, or {instead}"
+            f"{path} is protected (another user's file in a sticky directory, or immutable: lsattr): "
+            f"remove it, or {instead}"
         ),
         errno.ENOENT: f"{where} was removed while shmctl ran: create it again, or {instead}",
         errno.ENOTDIR: f"{where} or a directory above it is not a directory: {instead}",

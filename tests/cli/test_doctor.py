@@ -95,10 +95,10 @@ def test_a_tmpfs_root_is_in_memory_with_its_exact_size_use_and_free_bytes(small_
     assert (data.fs_type, data.mount_point, data.read_only) == ("tmpfs", small_tmpfs, False)
     assert (data.size_bytes, data.used_bytes) == (16 << 20, 1 << 20)
     assert data.free_bytes == vfs.f_bavail * vfs.f_frsize == 15 << 20
-    assert "16777216 bytes (16.0 MiB), 1048576 used, 15728640 free" in check.finding
+    # A person's sizes in the finding; the exact bytes are the data's (--json).
+    assert f"{small_tmpfs}: tmpfs, 16.0 MiB, 1.0 MiB used, 15.0 MiB free; node: MemTotal " in check.finding
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     assert data.mem_total_bytes == int(meminfo["MemTotal"].split()[0]) * 1024
-    assert f"MemTotal {data.mem_total_bytes} " in check.finding
 
 
 def test_a_root_on_a_disk_filesystem_fails_with_the_fix(tmp_path: Path) -> None:
@@ -145,8 +145,10 @@ def test_planned_regions_that_do_not_fit_fail_with_the_plans_own_fix(small_tmpfs
     planned = [doctor.planned_bytes("12m"), doctor.planned_bytes("8m")]
     check = doctor.diagnose(small_tmpfs, planned=planned).check("space")
     assert check.status is CheckStatus.FAIL
-    assert "2 planned region(s) need 20971520 bytes (20.0 MiB)" in check.finding
-    assert "16777216 bytes (16.0 MiB) free: it does not fit" in check.finding
+    assert check.finding == (
+        f"2 planned region(s) need 20.0 MiB; {small_tmpfs} has 16.0 MiB free: 4194304 bytes short, "
+        "it does not fit"
+    )
     assert check.fix is not None
     assert check.fix == check_capacity(small_tmpfs, 20 << 20, 0).fix
     assert f"mount -o remount,size=20M {small_tmpfs}" in check.fix
@@ -160,7 +162,7 @@ def test_planned_regions_that_fit_are_ok(small_tmpfs: Path) -> None:
 def test_a_region_that_fits_the_mount_but_not_the_available_memory_warns() -> None:
     check = doctor.check_space(facts(free_bytes=64 << 30), [PlannedRegion("--need", None, 9 << 30, 0)])
     assert check.status is CheckStatus.WARN
-    assert "MemAvailable is 8589934592 bytes (8.0 GiB)" in check.finding
+    assert "MemAvailable is 8.0 GiB" in check.finding
 
 
 def test_a_plan_is_sized_as_init_dry_run_sizes_it(root: Path, tmp_path: Path) -> None:
@@ -198,13 +200,54 @@ def test_need_refuses_what_is_not_a_size(text: str) -> None:
 # ----------------------------------------------------------------- huge pages
 
 
-def test_the_huge_page_fix_is_init_dry_runs_word_for_word(root: Path) -> None:
+def default_tmpfs(root: Path) -> mounts.MountInfo:
     info = mounts.root_mount(root)
     if info is None or info.huge_pages != "never":
         pytest.skip("this host's /dev/shm has huge pages")
+    return info
+
+
+def test_a_default_tmpfs_is_not_a_huge_page_warning_when_no_region_is_planned(root: Path) -> None:
+    default_tmpfs(root)
     check = doctor.diagnose(root).check("huge-pages")
-    assert check.status is CheckStatus.WARN
-    assert check.fix == mounts.huge_pages_advice(info)
+    assert (check.status, check.fix) == (CheckStatus.SKIP, None)
+    assert "4 KiB pages; --plan or --need says whether a region needs huge pages" in check.finding
+    assert isinstance(check.data, mounts.HugePages)
+    assert check.data.fix is None
+
+
+def test_a_small_planned_region_on_4_kib_pages_is_ok(root: Path) -> None:
+    default_tmpfs(root)
+    check = doctor.diagnose(root, planned=[doctor.planned_bytes("512m")]).check("huge-pages")
+    assert (check.status, check.fix) == (CheckStatus.OK, None)
+    assert "enough for a region of 512.0 MiB (huge pages pay off from 1.0 GiB)" in check.finding
+
+
+def test_the_huge_page_fix_for_a_large_region_is_init_dry_runs_word_for_word(root: Path) -> None:
+    info = default_tmpfs(root)
+    done = shmctl("doctor", "--root", str(root), "--json", "--need", "2g")
+    [check] = [c for c in json.loads(done.stdout)["checks"] if c["name"] == "huge-pages"]
+    assert check["status"] == "warn"
+    assert check["fix"] == mounts.huge_pages_advice(info)
+    assert check["fix"].endswith("(docs/doctor.md#huge-pages)")
+    extra = {"cpu_bytes_to_use": 2 << 30}
+    config = json.dumps({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra})
+    plan = shmctl(
+        "init",
+        "--root",
+        str(root),
+        "--dry-run",
+        "--kv-bytes-per-block",
+        "65536",
+        "--kv-transfer-config",
+        config,
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert f"fix: {check['fix']}\n" in plan.stdout
+
+
+def test_init_dry_run_gives_no_huge_page_fix_for_a_small_region(root: Path) -> None:
+    default_tmpfs(root)
     extra = {"cpu_bytes_to_use": 8 << 20}
     config = json.dumps({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra})
     plan = shmctl(
@@ -218,7 +261,8 @@ def test_the_huge_page_fix_is_init_dry_runs_word_for_word(root: Path) -> None:
         config,
     )
     assert plan.returncode == 0, plan.stderr
-    assert f"fix: {check.fix}\n" in plan.stdout
+    assert ": off: 4 KiB pages" in plan.stdout  # the fact stays; the advice does not apply
+    assert "huge=within_size" not in plan.stdout
 
 
 def test_a_tmpfs_with_huge_pages_is_ok(tmp_path: Path) -> None:
@@ -296,15 +340,19 @@ def test_a_process_that_cannot_be_read_warns_while_leases_prove_files_free(tmp_p
     assert check.data == doctor.ProcessFacts(
         0, 1, {"EISDIR on maps": 1}, ("pid 4242 (blind: EISDIR on maps)",), "pid:[4026531836]", True
     )
-    assert "1 of 1 processes cannot be inspected (1 EISDIR on maps)" in check.finding
+    assert check.finding == (
+        "1 of 1 processes unreadable (1 EISDIR on maps; pid 4242 first); the lease still proves files free, "
+        "but not who holds them"
+    )
 
 
 def test_a_process_that_cannot_be_read_fails_when_leases_are_off(tmp_path: Path) -> None:
     check = doctor.check_processes(LEASES_OFF, proc_root=fake_proc(tmp_path, maps_readable=False))
     assert check.status is CheckStatus.FAIL
-    assert "reap removes none of it" in check.finding
+    assert "leases are off: what they hold stays unknown, never reaped" in check.finding
     assert check.fix is not None
-    assert check.fix.startswith("sysctl -w fs.leases-enable=1")
+    assert check.fix.startswith("sysctl -w fs.leases-enable=1; ")
+    assert check.fix.endswith("(docs/doctor.md#processes)")
 
 
 def test_every_process_readable_is_ok(tmp_path: Path) -> None:
