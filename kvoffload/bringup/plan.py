@@ -24,6 +24,7 @@ from typing import Any
 from kvoffload import faults
 from kvoffload.cpu.segments import plan_segments
 from kvoffload.errors import ConfigError, RootError
+from kvoffload.fixes import fit
 from kvoffload.settings import PAGESIZE, OffloadingSettings, OffloadingSizing
 from kvoffload.shm import mounts
 from kvoffload.shm.mounts import HugePages, check_huge_pages
@@ -441,23 +442,25 @@ def _size_arg(n: int, big: str, small: str) -> str:
 def _fix(
     root: Path, mount: Path, fs_type: str | None, size: int, used: int, free: int, needed: int, chunk: int
 ) -> str:
+    """The remedies for a region that does not fit, most specific first, as many as two lines
+    of a terminal hold (``kvoffload.fixes.fit``); docs/doctor.md#space has every one."""
     want = used + needed
-    hints = []
-    if size == DOCKER_DEFAULT_SHM:
-        hints.append(f"{mount} is 64 MiB, Docker's default --shm-size")
-    hints.append(f"it needs {needed - free} more bytes ({want} in all)")
+    remedies = []
+    if used > 0 and needed <= size:
+        # Space already taken may be dead engines' regions, the very leak this tool is for
+        # (where the mount could hold the region once empty: else only a bigger one helps).
+        remedies.append(f"remove orphaned regions: shmctl reap --root {shlex.quote(str(root))}")
+    if size == DOCKER_DEFAULT_SHM or mount == DEFAULT_ROOT:
+        default = " (64 MiB is Docker's default)" if size == DOCKER_DEFAULT_SHM else ""
+        remedies.append(f"docker run --shm-size={_size_arg(want, 'g', 'm')}{default}")
     if mount == DEFAULT_ROOT:
-        hints.append(f"docker run --shm-size={_size_arg(want, 'g', 'm')} (or --ipc=host)")
-        hints.append(f"Kubernetes: an emptyDir {{medium: Memory, sizeLimit: {_size_arg(want, 'Gi', 'Mi')}}}")
+        remedies.append(f"a pod's emptyDir sizeLimit: {_size_arg(want, 'Gi', 'Mi')}")
     if fs_type == "tmpfs":
-        hints.append(f"on the host: mount -o remount,size={_size_arg(want, 'G', 'M')} {mount}")
+        remedies.append(f"mount -o remount,size={_size_arg(want, 'G', 'M')} {shlex.quote(str(mount))}")
     largest = free // chunk * chunk if chunk > 0 else 0
     if largest > 0:
-        hints.append(f"or lower cpu_bytes_to_use to at most {largest}")
-    if used > 0:
-        # Space already taken may be dead engines' regions, the very leak this tool is for.
-        hints.append(f"or remove orphaned regions there: shmctl reap --root {shlex.quote(str(root))}")
-    return "; ".join(hints)
+        remedies.append(f"cpu_bytes_to_use at most {largest}")
+    return fit(remedies, "space")
 
 
 def _cgroup_headroom_note(needed: int, cgroup: Path = Path("/sys/fs/cgroup")) -> str | None:

@@ -52,8 +52,6 @@ from kvoffload.doctor.checks import (
     CAP_SYS_PTRACE,
     DEFAULT_TEXTFILE,
     DOCKER_DEFAULT_SHM,
-    FINDING_WIDTH,
-    FIX_WIDTH,
     PROCESS_CAPABILITIES,
     PROM_FILE,
     Check,
@@ -86,6 +84,7 @@ from kvoffload.doctor.facts import (
 )
 from kvoffload.doctor.planned import planned_bytes, planned_from_config, planned_from_files
 from kvoffload.doctor.report import SCHEMA_VERSION, DoctorReport, DoctorSummary, diagnose
+from kvoffload.fixes import FINDING_WIDTH, FIX_WIDTH
 
 # The huge-pages check's facts are the mount's own report (``kvoffload.shm.mounts``).
 from kvoffload.shm.mounts import HugePages

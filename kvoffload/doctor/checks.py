@@ -41,6 +41,7 @@ from kvoffload.doctor.facts import (
     TextfileFacts,
     effective_capabilities,
 )
+from kvoffload.fixes import DOC, fit
 from kvoffload.shm import mounts
 
 if TYPE_CHECKING:
@@ -57,13 +58,9 @@ DOCKER_DEFAULT_SHM = 64 << 20
 #: Bits of the capabilities the ``/proc`` pass needs to read other users' processes.
 CAP_DAC_READ_SEARCH = 2
 CAP_SYS_PTRACE = 19
-#: Where each check's whole story is: a finding and its fix fit two lines of a terminal
-#: (``FIX_WIDTH``), and what does not fit is under the check's anchor there.
-DOC = "docs/doctor.md"
-#: The longest finding or fix, so a row of ``shmctl doctor`` (24 columns of CHECK and STATUS,
-#: then ``fix: ``) stays within two lines of 80 columns on the default root.
-FINDING_WIDTH = 160 - 24
-FIX_WIDTH = FINDING_WIDTH - len("fix: ")
+#: Where each check's whole story is (``DOC``): a finding and its fix fit two lines of a
+#: terminal (``FINDING_WIDTH``, ``FIX_WIDTH``: kvoffload.fixes), and what does not fit is under
+#: the check's anchor there.
 
 
 class CheckStatus(StrEnum):
@@ -447,13 +444,7 @@ def _process_fixes(blind: Sequence[Uninspected], *, complete: bool, caps: int | 
 
 def _fits(fixes: Sequence[str], anchor: str) -> str:
     """``fixes`` joined, as many as fit ``FIX_WIDTH`` with the link to the rest, in order."""
-    link = f" ({_link(anchor)})"
-    kept: list[str] = []
-    for fix in fixes:
-        if len("; ".join([*kept, fix]) + link) > FIX_WIDTH and kept:
-            break
-        kept.append(fix)
-    return "; ".join(kept) + link
+    return fit(fixes, anchor)
 
 
 # ----------------------------------------------------------------- kernel

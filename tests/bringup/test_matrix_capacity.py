@@ -257,4 +257,5 @@ def test_the_matrix_stops_before_a_cell_the_root_no_longer_has_room_for(
         )
         assert stopped.capacity is not None
         assert stopped.capacity.fix is not None
-        assert f"mount -o remount,size=12M {shm}" in stopped.capacity.fix
+        # What the earlier cells left may be orphans: the reap of that root comes first.
+        assert stopped.capacity.fix.startswith(f"remove orphaned regions: shmctl reap --root {shm}")

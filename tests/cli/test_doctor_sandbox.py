@@ -187,16 +187,11 @@ def test_every_line_of_doctor_fits_two_lines_of_a_terminal(where: str, planned: 
         assert any(line.lstrip().startswith("huge-pages") for line in lines)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the space check's fix is the plan's capacity fix (kvoffload/bringup/plan.py _fix), "
-    "which another part of #32 reworks: shorten it there, then drop this mark",
-)
 def test_the_space_fix_of_a_region_that_does_not_fit_fits_two_lines() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root")
     st = os.statvfs(SHM)
     done = doctor((), "--need", str(st.f_bavail * st.f_frsize + (1 << 30)))
     assert done.returncode == 1, done.stderr
-    [fix] = [line for line in done.stdout.splitlines() if "fix: it needs" in line]
+    [fix] = [line for line in done.stdout.splitlines() if "docs/doctor.md#space" in line]
     assert len(fix) <= LINE, fix

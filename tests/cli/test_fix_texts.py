@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.doctor.checks import FINDING_WIDTH, FIX_WIDTH
+from kvoffload.fixes import FINDING_WIDTH, FIX_WIDTH, fit
 from kvoffload.tiering.fs.manager import _namespace_fix
 from shmctl.render.fixes import unwritable_fix
 from tests.support.procs import REPO
@@ -213,3 +213,17 @@ def test_every_unwritable_fix_fits_two_lines_of_a_terminal(code: int) -> None:
         OSError(code, os.strerror(code)), Path("/dev/shm/kv"), instead="pass another --textfile"
     )
     assert len(PREFIX + fix) <= LINE, fix
+
+
+def test_several_remedies_keep_their_order_and_as_many_as_fit_then_the_link() -> None:
+    remedies = ["a" * 60, "b" * 40, "c" * 40]
+    fix = fit(remedies, "space")
+    assert fix == f"{'a' * 60}; {'b' * 40} (docs/doctor.md#space)"
+    assert len(fix) <= FIX_WIDTH
+    assert len(fit(["a" * 60, "b" * 40], "space")) <= FIX_WIDTH  # both fit: both kept
+
+
+def test_the_first_remedy_is_kept_whatever_its_length() -> None:
+    """A long path is still the operator's one pasteable line: never a bare link."""
+    long_root = "x" * 300
+    assert fit([long_root, "short"], "space") == f"{long_root} (docs/doctor.md#space)"
