@@ -12,6 +12,7 @@ import contextlib
 import errno
 import functools
 import io
+import os
 import signal
 import sys
 from collections.abc import Iterator, MutableMapping
@@ -69,6 +70,43 @@ def _handle_termination_signals() -> None:
             if signal.getsignal(signum) is signal.SIG_DFL:
                 signal.signal(signum, _raise_terminated)
         except (ValueError, OSError):  # not the main thread (a test's runner)
+            return
+
+
+class _Outcome:
+    """Whether the command's outcome is decided: its exit status, and the line that says why."""
+
+    settled = False
+
+
+def _settle() -> None:
+    _Outcome.settled = True
+
+
+def _exit_once_settled(signum: int, frame: object) -> None:
+    """A signal after the outcome is decided ends the process at once, with 128 + its number.
+
+    Raised as an exception there, it would meet no handler left to make it one line (the
+    error line just written, the last flush, the interpreter's shutdown) and print a
+    traceback. Before that, it is the KeyboardInterrupt every command tears down on.
+    """
+    if _Outcome.settled:
+        os._exit(128 + signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(signum)
+
+
+def _exit_on_late_signals() -> None:
+    """Route SIGINT, SIGTERM and SIGHUP through ``_exit_once_settled`` (the console script only:
+    a test's runner calling ``main`` keeps its own handlers). A disposition the caller chose
+    (an ignored SIGHUP under ``nohup``) is kept."""
+    ours = (signal.default_int_handler, _raise_terminated)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(signum) in ours:
+                signal.signal(signum, _exit_once_settled)
+        except (ValueError, OSError):  # not the main thread
             return
 
 
@@ -293,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     _reopen_closed_std_streams()
     _guard_std_streams()
     _handle_termination_signals()
+    if argv is None:
+        _exit_on_late_signals()
     code = _run(sys.argv[1:] if argv is None else argv)
+    _settle()
     try:
         sys.stdout.flush()
     except BrokenPipeError:  # the reader left while the last bytes were buffered
@@ -307,37 +348,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: list[str]) -> int:
+    """The command's exit status, its error reported. Every way out settles the outcome first
+    (``_settle``): a signal while it is reported ends the process (``_exit_once_settled``)."""
     if not args:
         args = ["--help"]  # a bare `shmctl` is a request for help, not a usage error
     try:
         # Without standalone mode, click returns typer.Exit's code instead of raising it.
         code = app(args=args, prog_name="shmctl", standalone_mode=False)
+        _settle()
         if isinstance(code, int):
             return code
     except SystemExit as e:  # typer.Exit, --help, completion
+        _settle()
         if _click_met_a_closed_pipe():
             return ExitStatus.OK  # `shmctl --help | head -1`, as for a command's output
         code = e.code
         return code if isinstance(code, int) else (0 if code is None else ExitStatus.USAGE)
     except Interrupted as e:
+        _settle()
         error_line(e.message)
         return e.exit_status
     except KeyboardInterrupt as e:  # outside any command (typer has not taken over yet)
+        _settle()
         interrupted = Interrupted(_signal_name(e))
         error_line(interrupted.message)
         return interrupted.exit_status
     except KvOffloadError as e:
+        _settle()
         error_line(str(e))
         return exit_status_for(e)
     except _ClosedPipe:
+        _settle()
         # `shmctl scan | head -1`: the reader has what it wanted. Quietly 0, as for cat;
         # 1 would read as "findings" and 3 as a failure.
         _silence_stdout()
         return ExitStatus.OK
     except OSError as e:
+        _settle()
         error_line(_stream_error(e))
         return ExitStatus.RUNTIME
     except Exception as e:  # click usage errors and anything unexpected
+        _settle()
         return _click_or_crash(e)
     return ExitStatus.OK
 
@@ -400,8 +451,6 @@ def _reopen_closed_std_streams() -> None:
     is written goes nowhere, as the caller asked, a closed stdin reads as end of file (no
     terminal to confirm on), and the exit status is the command's own.
     """
-    import os
-
     for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
         if getattr(sys, name) is not None:
             continue
@@ -524,8 +573,6 @@ def _fileno(stream: Any) -> int | None:
 
 def _silence_stdout() -> None:
     """Point fd 1 at /dev/null so the interpreter's last flush cannot fail on the closed pipe."""
-    import os
-
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
