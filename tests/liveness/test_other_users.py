@@ -337,9 +337,9 @@ def test_a_non_root_user_judges_its_own_files_and_skips_other_users_with_the_rea
 @pytest.mark.parametrize(
     ("argv", "key"),
     [
-        (["scan"], "all_users"),
-        (["metrics"], "all_users"),
-        (["reap", "--dry-run"], "all_users"),
+        (["scan"], "--all-users"),
+        (["metrics"], "--all-users"),
+        (["reap", "--dry-run"], "--all-users"),
         (["watch", "--once"], "--all-users"),
     ],
     ids=lambda value: value[0] if isinstance(value, list) else "",

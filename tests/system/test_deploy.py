@@ -192,7 +192,7 @@ def exported_metric_names() -> set[str]:
         [RootSeries("/a", "", 1.0, 1.0, numbers=numbers), RootSeries("/b", "", 1.0, None, error="gone")],
         {"/a", "/b"},
     )
-    exposition.add_reaps(ReapCounters({"/a": 1}, {"/a": 1}))
+    exposition.add_reaps(ReapCounters({"/a": 1}, {"/a": 1}, {"/a": 0}))
     exposition.add_watch(up=True, passes=1, roots=2, pass_seconds=1.0)
     exposition.add_lease_break_time(45.0)
     return {

@@ -387,7 +387,7 @@ def test_reap_on_another_filesystem_is_one_line_naming_the_flag_and_exit_3(
     assert refused.stdout == ""
     lines = refused.stderr.splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"shmctl: error: {tmp_path}: is not on a tmpfs or hugetlbfs")
+    assert lines[0].startswith(f"shmctl: error: --root {tmp_path}: is not on a tmpfs or hugetlbfs")
     assert "--any-filesystem" in lines[0]
     assert orphan.exists()
 
