@@ -32,9 +32,7 @@ import time
 from collections import Counter
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from kvoffload import procfs
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvoffload.liveness.reap import ReapReport
@@ -91,7 +89,7 @@ def reap_once(
     env: MutableMapping[str, str],
     log: logging.Logger,
     *,
-    proc_root: Path = procfs.PROC_ROOT,
+    proc_root: Path = Path("/proc"),
 ) -> ReapReport | None:
     """What ``register`` does with ``env`` (``os.environ``, where the mark is set for the
     processes started after); the report, or None where nothing was reaped (off, already
@@ -228,19 +226,39 @@ def _logger() -> logging.Logger:
     """vLLM's logger where vLLM runs (it is already imported: it called us); else stdlib's."""
     if "vllm" in sys.modules:
         try:
-            init_logger = importlib.import_module("vllm.logger").init_logger
-            found = init_logger(LOGGER_NAME)
+            vllm_logger = importlib.import_module("vllm.logger")
+            found = vllm_logger.init_logger(LOGGER_NAME)
+            if not logging.getLogger("vllm").handlers:
+                _configure_vllm_logging(vllm_logger)
             if isinstance(found, logging.Logger):
                 return found
-        except Exception:  # an older or newer vLLM without it: the plain logger of that name
+        except Exception:  # an older or newer vLLM without them: the plain logger of that name
             pass
     return logging.getLogger(LOGGER_NAME)
+
+
+def _configure_vllm_logging(vllm_logger: Any) -> None:
+    """Set vLLM's logging up as vLLM is about to, from the same environment.
+
+    vLLM 0.32 configures its logging after the client loads the plugins (``LLM()`` and
+    ``vllm serve`` both do it once their arguments are parsed): until then the ``vllm`` logger
+    has no handler and an info line would be lost. vLLM's own default (``LoggingConfig()``:
+    ``VLLM_LOGGING_LEVEL``, ``VLLM_CONFIGURE_LOGGING``, ``VLLM_LOGGING_CONFIG_PATH``) is what it
+    applies then; a different one given on its command line replaces it, as it would anyway.
+    With ``VLLM_CONFIGURE_LOGGING=0`` nothing is configured: the application's logging has it.
+    """
+    configure = getattr(vllm_logger, "configure_logging_if_needed", None)
+    if configure is None:
+        return
+    configure(importlib.import_module("vllm.config.logging").LoggingConfig())
 
 
 def _handled(mark: str | None, proc_root: Path) -> bool:
     """Whether ``mark`` names this process or one of its ancestors (same pid, same start)."""
     if not mark:
         return False
+    from kvoffload import procfs
+
     pid_text, _, ticks_text = mark.partition(":")
     try:
         marked = (int(pid_text), int(ticks_text))
@@ -261,6 +279,8 @@ def _handled(mark: str | None, proc_root: Path) -> bool:
 
 
 def _mark(env: MutableMapping[str, str], proc_root: Path) -> None:
+    from kvoffload import procfs
+
     try:
         stat = procfs.read_stat(os.getpid(), proc_root)
     except (OSError, ValueError, IndexError):
