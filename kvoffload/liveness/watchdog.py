@@ -364,6 +364,33 @@ def start(*, poll_s: float = POLL_S, hold_limit_s: float = HOLD_LIMIT_S) -> Guar
     return status()
 
 
+def stop() -> None:
+    """Stop this process's watchdog and free its table, once it will take no lease for long.
+
+    A process that reaps once and lives on (vLLM's client, after the ``shmctl_reap`` plugin)
+    would otherwise keep a watchdog polling ``/proc/locks`` for its whole life. Only the
+    table's owner stops it, and only while no thread of it holds a lease; a later lease
+    starts a new one (``start``).
+    """
+    global _table
+    with _lock:
+        table = _table
+        if table is None or table.owner != os.getpid() or _thread.fds:
+            return
+        if table.watchdog is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(table.watchdog, signal.SIGTERM)  # its default action: it exits at once
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(table.watchdog, 0)
+            table.watchdog = None
+        table.map.close()
+        os.close(table.fd)
+        _table = None
+        # This thread's slot was in that table: its next lease claims one in the new table.
+        _thread.pid = 0
+        _thread.slot_at = None
+
+
 def status() -> GuardStatus:
     """What the guard does for this process now."""
     if _table is None:

@@ -108,6 +108,7 @@ def reap_once(
         )
         return None
     from kvoffload.errors import KvOffloadError
+    from kvoffload.liveness import watchdog
     from kvoffload.liveness.reap import reap
 
     root = env.get(ROOT_ENV) or "/dev/shm"
@@ -116,7 +117,11 @@ def reap_once(
             env.get(GRACE_ENV) or DEFAULT_GRACE, families_from_env(env.get(FAMILIES_ENV), log), log
         )
         started = time.monotonic()
-        report = reap(root, options)
+        try:
+            report = reap(root, options)
+        finally:
+            # The client lives as long as the engine: its lease watchdog must not.
+            watchdog.stop()
     except KvOffloadError as e:
         log.warning("shmctl_reap: %s; nothing removed, the engine starts anyway", e)
         return None

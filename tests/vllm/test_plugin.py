@@ -133,6 +133,29 @@ def test_only_the_dead_region_goes_the_live_and_the_starting_stay(shm: Path, eng
     assert run.logged("WARNING") == []
 
 
+#: The processes this one still has as children, written to ``sys.argv[3]``.
+_CHILDREN_TO_FILE = r"""
+kids = []
+for task in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{task}/children") as f:
+        kids += f.read().split()
+with open(sys.argv[3], "w") as f:
+    json.dump(kids, f)
+"""
+
+
+def test_no_lease_watchdog_outlives_the_reap_in_the_engines_process(
+    shm: Path, engine_id: str, tmp_path: Path
+) -> None:
+    """vLLM's client lives as long as its engine: the reap's watchdog must not stay beside it."""
+    dead = leave_orphan(shm, engine_id)
+    children = tmp_path / "children.json"
+    run = run_register(enabled(shm), after=_CHILDREN_TO_FILE, args=(str(children),))
+    assert run.returncode == 0, run.stderr
+    assert not dead.exists()
+    assert json.loads(children.read_text()) == []
+
+
 def test_the_log_line_says_how_much_memory_came_back(shm: Path, engine_id: str) -> None:
     write_file(region_path(shm, engine_id), 8 << 20, touch=1024)  # 4 MiB of it written
     run = run_register(enabled(shm))
