@@ -155,7 +155,10 @@ def test_the_agent_reaps_a_family_it_watches_and_no_other(root: Path, dead_other
         "nccl",
     )
     assert result.returncode == 0, result.stderr
-    removed = [json.loads(line) for line in result.stdout.splitlines() if '"removed"' in line]
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    for event in events:
+        validate(event, "watch-event")
+    removed = [e for e in events if e["event"] == "removed"]
     assert [e["engine_id"] for e in removed] == [dead_others["nccl"].name]
     assert not dead_others["nccl"].exists()
     assert all(p.exists() for f, p in dead_others.items() if f != "nccl")
