@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvoffload.presets import PRESETS
+from kvoffload.shm.families import ALL_WORD, FAMILY_NAMES
 
 if TYPE_CHECKING:
     from kvoffload.liveness.scan import ScanOptions
@@ -128,6 +129,24 @@ NoLeaseOption = Annotated[
 ]
 
 
+def complete_families(incomplete: str) -> list[str]:
+    return [name for name in (*FAMILY_NAMES, ALL_WORD) if name.startswith(incomplete)]
+
+
+FamilyOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--family",
+        metavar="NAME",
+        help=(
+            f"Judge the files of family NAME: {' | '.join(FAMILY_NAMES)} | {ALL_WORD}. Repeatable. "
+            "Default: offload (vLLM's region files) only. See docs/families.md."
+        ),
+        autocompletion=complete_families,
+    ),
+]
+
+
 def whose_files(all_users: bool, own_only: bool) -> bool | None:
     """``--all-users`` and ``--own-only`` as the library's ``all_users``: True, False, or None
     (the default: every user's files as root, your own otherwise)."""
@@ -154,15 +173,18 @@ def scan_options(
     own_only: bool,
     assume_not_holding: list[int] | None,
     no_lease: bool,
+    family: list[str] | None = None,
 ) -> "ScanOptions":
-    """The scan flags (``--grace`` parsed) as the library's ``ScanOptions``."""
+    """The scan flags (``--grace`` parsed, ``--family`` checked) as the library's ``ScanOptions``."""
     from kvoffload.liveness.scan import ScanOptions
+    from kvoffload.shm.families import select
 
     return ScanOptions(
         grace_s=grace_s,
         all_users=whose_files(all_users, own_only),
         assume_not_holding=frozenset(assume_not_holding or ()),
         use_lease=not no_lease,
+        families=select(family or ()),
     )
 
 

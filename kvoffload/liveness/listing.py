@@ -14,6 +14,10 @@ judge and what is ``skipped``, with the reason:
 A region is one unit: any file of it that is skipped keeps the whole group (a segment mapped
 by a live engine keeps its base alive, and vice versa). Names of park directories are
 listed apart, for ``park``.
+
+Which names are listed is the scan's ``families`` (``kvoffload.shm.families``): the offload
+regions unless told otherwise. A file of another family is a unit of its own, grouped under
+its family and name, so it never shares a verdict with an offload region.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.liveness import park
+from kvoffload.shm import families as shm_families
 from kvoffload.shm import names
 
 __all__ = [
@@ -51,6 +56,13 @@ class Listed:
     name: str
     region: names.RegionName
     st: os.stat_result
+    #: Its family (``kvoffload.shm.families``): ``offload`` for a region file.
+    family: str = shm_families.OFFLOAD
+
+    @property
+    def unit(self) -> tuple[str, str]:
+        """What its verdict is shared with: its family's files of the same engine id."""
+        return (self.family, self.region.engine_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +94,21 @@ class Owners:
         return cls(None)
 
 
-def list_names(root: Path, dir_fd: int) -> tuple[list[str], list[str]]:
-    """The root's region-pattern names, the files of each region adjacent (by engine id, then
+Families = frozenset[str]
+#: A name as listed: its sort key (engine id, segment), the name, its unit and family.
+_Keyed = tuple[str, int, str, names.RegionName, str]
+
+
+def list_names(
+    root: Path, dir_fd: int, families: Families = shm_families.DEFAULT
+) -> tuple[list[str], list[str]]:
+    """The root's names of ``families``, the files of each region adjacent (by engine id, then
     segment), and the names of park directories. Names only: 100,000 of them are a few MiB."""
-    keyed, park_names = _list_keyed(root, dir_fd)
-    return [name for _, _, name, _ in keyed], park_names
+    keyed, park_names = _list_keyed(root, dir_fd, families)
+    return [name for _, _, name, _, _ in keyed], park_names
 
 
-def _list_keyed(root: Path, dir_fd: int) -> tuple[list[tuple[str, int, str, names.RegionName]], list[str]]:
+def _list_keyed(root: Path, dir_fd: int, families: Families) -> tuple[list[_Keyed], list[str]]:
     """``list_names``, each name with its sort key and what it parsed to."""
     try:
         entry_names = os.listdir(dir_fd)
@@ -100,12 +119,13 @@ def _list_keyed(root: Path, dir_fd: int) -> tuple[list[tuple[str, int, str, name
     keyed = []
     park_names = []
     for name in entry_names:
-        region = names.parse(name)
-        if region is None:
+        found = shm_families.parse(name, families)
+        if found is None:
             if park.is_park_name(name):
                 park_names.append(name)
         else:
-            keyed.append((region.engine_id, region.segment, name, region))
+            family, region = found
+            keyed.append((region.engine_id, region.segment, name, region, family))
     del entry_names
     # Sorted by name alone, the files of one engine can be apart: "E.mmap-x" (another engine's
     # base) sorts between "E.mmap" and "E.mmap.1". Names are unique: regions are never compared.
@@ -113,22 +133,26 @@ def _list_keyed(root: Path, dir_fd: int) -> tuple[list[tuple[str, int, str, name
     return keyed, sorted(park_names)
 
 
-def chunks(region_names: list[str], size: int) -> Iterator[list[tuple[str, names.RegionName]]]:
+#: A listed name to ``lstat``: the name, its unit, its family.
+Named = tuple[str, names.RegionName, str]
+
+
+def chunks(region_names: list[str], size: int) -> Iterator[list[Named]]:
     """``region_names`` (sorted by ``list_names``) in runs of about ``size``, never splitting a region."""
-    chunk: list[tuple[str, names.RegionName]] = []
+    chunk: list[Named] = []
     for name in region_names:
-        region = _parsed(name)
+        family, region = _parsed(name)
         if len(chunk) >= size and region.engine_id != chunk[-1][1].engine_id:
             yield chunk
             chunk = []
-        chunk.append((name, region))
+        chunk.append((name, region, family))
     if chunk:
         yield chunk
 
 
-def stat_names(root: Path, dir_fd: int, chunk: list[tuple[str, names.RegionName]]) -> list[Listed]:
+def stat_names(root: Path, dir_fd: int, chunk: list[Named]) -> list[Listed]:
     listed = []
-    for name, region in chunk:
+    for name, region, family in chunk:
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -137,20 +161,24 @@ def stat_names(root: Path, dir_fd: int, chunk: list[tuple[str, names.RegionName]
             raise RootError(
                 root, "permission denied on its entries", fix="the directory needs search (x) permission"
             ) from None
-        listed.append(Listed(name, region, st))
+        listed.append(Listed(name, region, st, family))
     return listed
 
 
-def list_regions(root: Path, dir_fd: int) -> tuple[list[Listed], list[str]]:
-    """The region-pattern entries of the root (lstat'ed), and the names of park directories."""
-    keyed, park_names = _list_keyed(root, dir_fd)
-    return stat_names(root, dir_fd, [(name, region) for _, _, name, region in keyed]), park_names
+def list_regions(
+    root: Path, dir_fd: int, families: Families = shm_families.DEFAULT
+) -> tuple[list[Listed], list[str]]:
+    """The entries of ``families`` in the root (lstat'ed), and the names of park directories."""
+    keyed, park_names = _list_keyed(root, dir_fd, families)
+    named = [(name, region, family) for _, _, name, region, family in keyed]
+    return stat_names(root, dir_fd, named), park_names
 
 
-def _parsed(name: str) -> names.RegionName:
-    region = names.parse(name)
-    assert region is not None  # listed because it parses
-    return region
+def _parsed(name: str) -> tuple[str, names.RegionName]:
+    # The families' patterns are disjoint: a listed name parses to the family it was listed as.
+    found = shm_families.parse(name)
+    assert found is not None  # listed because it parses
+    return found
 
 
 _KINDS = {
@@ -188,6 +216,7 @@ class Group:
 
     engine_id: str
     members: list[Listed] = field(default_factory=list)
+    family: str = shm_families.OFFLOAD
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -195,17 +224,18 @@ class Group:
 class Sorted:
     """The listing sorted into regions: what to probe, what is skipped and why."""
 
-    groups: dict[str, Group]
+    #: By ``Listed.unit``: family and engine id.
+    groups: dict[tuple[str, str], Group]
     skipped: dict[str, str]
 
     @classmethod
     def of(cls, listed: list[Listed], owners: Owners) -> Sorted:
-        groups: dict[str, Group] = {}
+        groups: dict[tuple[str, str], Group] = {}
         skipped: dict[str, str] = {}
         for item in listed:
-            group = groups.get(item.region.engine_id)
+            group = groups.get(item.unit)
             if group is None:
-                group = groups[item.region.engine_id] = Group(item.region.engine_id)
+                group = groups[item.unit] = Group(item.region.engine_id, family=item.family)
             reason = _skip_reason(item, owners)
             if reason is not None:
                 skipped[item.name] = reason

@@ -162,6 +162,8 @@ class ReapReport:
     parks_removed: tuple[str, ...] = ()
     #: Entries named like park directories that are not a reaper's: never entered or removed.
     untrusted_parks: tuple[UntrustedPark, ...] = ()
+    #: The families of files judged (``--family``), as the scan's.
+    families: tuple[str, ...] = ("offload",)
 
     @property
     def unknown_resident_bytes(self) -> int:
@@ -172,10 +174,10 @@ def select(
     report: ScanReport, filters: ReapFilter = ReapFilter(), status: Status = Status.ORPHANED
 ) -> tuple[ScanEntry, ...]:
     """The entries of ``report`` with ``status`` that ``filters`` choose, whole regions at a time."""
-    groups: dict[str, list[ScanEntry]] = {}
+    groups: dict[tuple[str, str], list[ScanEntry]] = {}
     for e in report.entries:
         if e.status is status:
-            groups.setdefault(e.engine_id, []).append(e)
+            groups.setdefault(e.unit, []).append(e)
     return tuple(e for group in groups.values() if filters.selects(group) for e in group)
 
 
@@ -280,9 +282,9 @@ def _reap_root(
     if dry_run:
         done.removed.extend(chosen)
     else:
-        groups: dict[str, list[ScanEntry]] = {}
+        groups: dict[tuple[str, str], list[ScanEntry]] = {}
         for e in chosen:
-            groups.setdefault(e.engine_id, []).append(e)
+            groups.setdefault(e.unit, []).append(e)
         with lease.sigio_ignored(), park.ParkDir(dir_fd, proc_root=options.proc_root) as parking:
             if dead:
                 settle_parked(
@@ -326,6 +328,7 @@ def _reap_root(
         failed=tuple(done.failed),
         parks_removed=tuple(done.parks_removed),
         untrusted_parks=report.untrusted_parks,
+        families=report.families,
     )
 
 
@@ -335,10 +338,10 @@ def _split_by_owner(
     """(the regions this reap may remove, the regions with a file of a uid other than ``euid``);
     with ``euid`` None (``all_users``), every region is removable."""
     # A region goes whole or not at all: one file of another user's keeps all of it.
-    theirs = {e.engine_id for e in entries if euid is not None and e.uid != euid}
+    theirs = {e.unit for e in entries if euid is not None and e.uid != euid}
     return (
-        tuple(e for e in entries if e.engine_id not in theirs),
-        tuple(e for e in entries if e.engine_id in theirs),
+        tuple(e for e in entries if e.unit not in theirs),
+        tuple(e for e in entries if e.unit in theirs),
     )
 
 

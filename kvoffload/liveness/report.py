@@ -42,7 +42,10 @@ __all__ = [
 #: 7: entries gained ``changed_age_s`` and ``ctime_ns`` (the age the grace period judges), and
 #: ``removable_in_s`` and ``removable_at`` (when a ``starting`` one leaves the grace period);
 #: the summary ``starting_first_removable_in_s`` and ``starting_last_removable_in_s``.
-SCHEMA_VERSION = 7
+#: 8: entries gained ``family`` (``offload``, or the family ``--family`` asked for); a file of
+#: another family has its own name as ``engine_id`` and segment 0. The scan and reap reports
+#: gained ``families``, the families judged.
+SCHEMA_VERSION = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +66,8 @@ class OwnerView:
 
 @dataclass(frozen=True, slots=True)
 class ScanEntry:
-    """One directory entry matching the region name pattern, and its verdict."""
+    """One directory entry named like a file of a family judged (a region file unless
+    ``--family`` asked for more), and its verdict."""
 
     name: str
     path: Path
@@ -107,10 +111,19 @@ class ScanEntry:
     removable_at: float | None = None
     #: Set for ``parked`` entries: ``name`` is then the original name, ``path`` where it waits.
     parked: ParkedView | None = None
+    #: Its family (``kvoffload.shm.families``): ``offload`` for vLLM's region files; for any
+    #: other family ``engine_id`` is the file's own name (each such file is a unit of its own).
+    family: str = "offload"
 
     @property
     def identity(self) -> tuple[int, int]:
         return (self.dev, self.ino)
+
+    @property
+    def unit(self) -> tuple[str, str]:
+        """What it shares its verdict with, and is removed with: the files of its family and
+        engine id (a region; one file for the families that do not group)."""
+        return (self.family, self.engine_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +203,8 @@ class ScanReport:
     lease_break_time_s: float | None = None
     #: Entries named like park directories that are not a reaper's (never touched).
     untrusted_parks: tuple[UntrustedPark, ...] = ()
+    #: The families of files judged (``--family``), in ``kvoffload.shm.families`` order.
+    families: tuple[str, ...] = ("offload",)
 
     @property
     def blind_spots(self) -> tuple[Uninspected, ...]:
@@ -249,4 +264,5 @@ def entry_of(
         lease=answer.state,
         lease_error=answer.error,
         decided_by=decided_by,
+        family=item.family,
     )

@@ -30,6 +30,10 @@ A region is a base file plus segment files ``.mmap.N``; the group shares one ver
 any file of it that is skipped keeps the whole group (a segment mapped by a live engine
 keeps its base alive, and vice versa).
 
+The other files a killed engine leaves (``psm_*``, ``sem.mp-*``, ``nccl-*``, ``torch_*``:
+``kvoffload.shm.families``) are judged only when ``ScanOptions.families`` names them, each
+file a unit of its own, by the same evidence and the same grace period.
+
 Everything goes through a directory fd of the root with ``follow_symlinks=False``; the
 only file a scan opens is a region file, read-only, ``O_NOFOLLOW|O_NONBLOCK``, to probe its
 lease and lock and read its owner record.
@@ -89,6 +93,7 @@ from kvoffload.liveness.verdict import (
     changed_s,
     decide,
 )
+from kvoffload.shm import families as shm_families
 from kvoffload.shm import mounts
 from kvoffload.shm.names import DEFAULT_ROOT
 from kvoffload.shm.owner import OwnerRecord
@@ -146,10 +151,14 @@ class ScanOptions:
     #: False judges from ``/proc``, locks and the owner record alone (``--no-lease``).
     use_lease: bool = True
     proc_root: Path = procfs.PROC_ROOT
+    #: The families of files judged (``kvoffload.shm.families``): the offload regions unless
+    #: told otherwise (``--family``). A name of no family listed here is never looked at.
+    families: frozenset[str] = shm_families.DEFAULT
 
     def __post_init__(self) -> None:
         # Any collection of pids will do; held as a frozenset, so that options compare and hash.
         object.__setattr__(self, "assume_not_holding", frozenset(self.assume_not_holding))
+        object.__setattr__(self, "families", shm_families.check(self.families))
 
     @classmethod
     def of(
@@ -232,8 +241,9 @@ def scan(
     root_fd: int | None = None,
     **legacy: Unpack[ScanKeywords],
 ) -> ScanReport:
-    """Judge every ``vllm_offload_*.mmap[.N]`` entry of ``root`` by ``options`` (``ScanOptions``:
-    the grace period, whose files, the vouched pids, leases, the ``/proc`` to read).
+    """Judge every ``vllm_offload_*.mmap[.N]`` entry of ``root`` (and every file of the other
+    families ``options.families`` names) by ``options`` (``ScanOptions``: the grace period,
+    whose files, the vouched pids, leases, the ``/proc`` to read, the families).
 
     ``parallel`` forces probing in a child beside the ``/proc`` pass (True) or after it
     (False); None lets ``prober`` decide from the CPUs, the threads and the number of files.
@@ -255,7 +265,7 @@ def scan(
     owners = Owners.of(options.all_users, euid)
     root = Path(root)
     with open_root(root, root_fd) as dir_fd, contextlib.ExitStack() as leasing:
-        listed, park_names = list_regions(root, dir_fd)
+        listed, park_names = list_regions(root, dir_fd, options.families)
         regions = Sorted.of(listed, owners)
         # Leases (and their watchdog, a process spawned once) only where a file will be probed:
         # a scan of an empty root (a node with no engine) spawns nothing.
@@ -314,6 +324,7 @@ def scan(
         parks=parks.parks,
         lease_break_time_s=lease.break_time_s(proc_root),
         untrusted_parks=parks.untrusted,
+        families=shm_families.ordered(options.families),
     )
 
 
@@ -383,7 +394,7 @@ class ScanStream:
             elif unsafe is not None:
                 self._lease_off = LeaseProbe(None, unsafe)
             self.lease_enabled = self._lease_off is None
-            self._names, self._park_names = list_names(self.root, self.dir_fd)
+            self._names, self._park_names = list_names(self.root, self.dir_fd, self.options.families)
             self._root_dev = os.fstat(self.dir_fd).st_dev
             self._cover({self._root_dev})
             self._stack = stack.pop_all()
@@ -469,14 +480,14 @@ class ScanStream:
             probes = {item.name: probe(item) for item in regions.to_probe()}
             when = self._when()
             view = self._scanner_view()
-            skipped: dict[str, list[Listed]] = {}
+            skipped: dict[tuple[str, str], list[Listed]] = {}
             for item in listed:
                 if item.name in regions.skipped:
-                    skipped.setdefault(item.region.engine_id, []).append(item)
-            for group in regions.groups.values():
+                    skipped.setdefault(item.unit, []).append(item)
+            for unit, group in regions.groups.items():
                 entries = [
                     entry_of(self.root, item, Status.SKIPPED, regions.skipped[item.name], when, self.index)
-                    for item in skipped.get(group.engine_id, ())
+                    for item in skipped.get(unit, ())
                 ]
                 if self._host is None:
                     self._host = Host.of(self.options.proc_root)

@@ -18,6 +18,7 @@ from kvoffload.shm.names import DEFAULT_ROOT
 from shmctl.options import (
     AllUsersOption,
     AssumeOption,
+    FamilyOption,
     NoLeaseOption,
     OwnOnlyOption,
     RootOption,
@@ -35,6 +36,7 @@ def metrics(
     own_only: OwnOnlyOption = False,
     assume_not_holding: AssumeOption = None,
     no_lease: NoLeaseOption = False,
+    family: FamilyOption = None,
     top_engines: Annotated[
         int,
         typer.Option(
@@ -64,6 +66,7 @@ def metrics(
         own_only=own_only,
         assume_not_holding=assume_not_holding,
         no_lease=no_lease,
+        family=family,
     )
     if textfile is not None:
         render.check_textfile_directory(textfile)

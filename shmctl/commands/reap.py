@@ -15,6 +15,7 @@ from kvoffload.shm.names import DEFAULT_ROOT
 from shmctl.options import (
     AssumeOption,
     BytesOption,
+    FamilyOption,
     GraceOption,
     JsonOption,
     NoHeadersOption,
@@ -55,6 +56,7 @@ def reap(
     own_only: OwnOnlyOption = False,
     assume_not_holding: AssumeOption = None,
     no_lease: NoLeaseOption = False,
+    family: FamilyOption = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", "-n", help="Show what would be removed; remove nothing.")
     ] = False,
@@ -123,6 +125,7 @@ def reap(
         own_only=own_only,
         assume_not_holding=assume_not_holding,
         no_lease=no_lease,
+        family=family,
     )
     run = functools.partial(library.reap, root, options, filters=filters, any_filesystem=any_filesystem)
     show = functools.partial(

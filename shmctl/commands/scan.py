@@ -14,6 +14,7 @@ from shmctl.options import (
     AllUsersOption,
     AssumeOption,
     BytesOption,
+    FamilyOption,
     GraceOption,
     JsonOption,
     NoHeadersOption,
@@ -35,6 +36,7 @@ def scan(
     own_only: OwnOnlyOption = False,
     assume_not_holding: AssumeOption = None,
     no_lease: NoLeaseOption = False,
+    family: FamilyOption = None,
     deleted: Annotated[
         bool,
         typer.Option("--deleted", help="Also list unlinked regions still mapped or open, per process."),
@@ -64,6 +66,7 @@ def scan(
         own_only=own_only,
         assume_not_holding=assume_not_holding,
         no_lease=no_lease,
+        family=family,
     )
     report = run_scan(root, options)
     render.scan_report(

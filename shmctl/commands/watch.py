@@ -14,6 +14,7 @@ import typer
 
 from shmctl.options import (
     AssumeOption,
+    FamilyOption,
     NoLeaseOption,
     OwnOnlyOption,
     RemoveAllUsersOption,
@@ -86,6 +87,7 @@ def watch(
     own_only: OwnOnlyOption = False,
     assume_not_holding: AssumeOption = None,
     no_lease: NoLeaseOption = False,
+    family: FamilyOption = None,
     top_engines: Annotated[
         int,
         typer.Option(
@@ -140,6 +142,7 @@ def watch(
             own_only=own_only,
             assume_not_holding=assume_not_holding,
             no_lease=no_lease,
+            family=family,
         ),
         any_filesystem=any_filesystem,
         top_engines=top_engines,

@@ -10,6 +10,10 @@ summary line last, as ``ls -l`` prints ``total``; ``--no-headers`` drops both, s
 control characters and spaces are escapes in a table (a name cannot forge a line, a column
 or a terminal sequence).
 
+With ``--family`` beyond ``offload`` a FAMILY column follows STATUS (and ENGINE is a file's
+own name for the families that do not group); without it the table is what it always was,
+since operators' scripts parse it.
+
 CHANGED is the one age a table shows: the age the grace period judges (the youngest file's
 ctime, which no ``touch`` sets back), so a ``starting`` row's CHANGED and its "removable in"
 add up to ``--grace``. ``ls -l``'s mtime age is the JSON's ``age_s``, what ``--older-than``
@@ -81,6 +85,7 @@ REAP_COLUMNS = (
     Column("RESIDENT", right=True),
     Column("REASON"),
 )
+FAMILY_COLUMN = Column("FAMILY")
 DELETED_COLUMNS = (
     Column("PID", right=True),
     Column("PROCESS"),
@@ -127,12 +132,30 @@ class _Row:
 
 
 def _rows(entries: Iterable[ScanEntry]) -> list[_Row]:
-    grouped: dict[tuple[str, Status], list[ScanEntry]] = {}
+    grouped: dict[tuple[str, str, Status], list[ScanEntry]] = {}
     for e in entries:
-        grouped.setdefault((e.engine_id, e.status), []).append(e)
+        grouped.setdefault((e.family, e.engine_id, e.status), []).append(e)
     rows = [_Row(tuple(sorted(g, key=lambda e: e.segment))) for g in grouped.values()]
     rows.sort(key=lambda r: (_ORDER[r.first.status], -r.resident, r.first.name))
     return rows
+
+
+def _beyond_offload(families: Sequence[str]) -> bool:
+    return tuple(families) != ("offload",)
+
+
+def _with_family(
+    columns: Sequence[Column], rows: list[Sequence[Cell]], families: Sequence[str]
+) -> tuple[Sequence[Column], list[Sequence[Cell]]]:
+    """``columns``, and ``rows`` (whose last cell is the family), with FAMILY after the first
+    column when ``families`` asks for more than the offload regions; without the family
+    otherwise (the table scripts parse)."""
+    if not _beyond_offload(families):
+        return columns, [row[:-1] for row in rows]
+    return (
+        (columns[0], FAMILY_COLUMN, *columns[1:]),
+        [(row[0], row[-1], *row[1:-1]) for row in rows],
+    )
 
 
 def _holders_text(holders: Sequence[Holder], shown: int = 3) -> str:
@@ -143,17 +166,23 @@ def _holders_text(holders: Sequence[Holder], shown: int = 3) -> str:
 
 
 def summary_line(
-    summary: ScanSummary, root: object, *, exact: bool = False, reap: str = "shmctl reap"
+    summary: ScanSummary,
+    root: object,
+    *,
+    exact: bool = False,
+    reap: str = "shmctl reap",
+    families: Sequence[str] = ("offload",),
 ) -> str:
+    what = "file" if _beyond_offload(families) else "region file"
     if not summary.total:
-        return f"no region files in {printable(str(root))}"
+        return f"no {what}s in {printable(str(root))}"
     wait = _starting_wait(summary)
     counts = ", ".join(
         f"{getattr(summary, s.value)} {s.value}" + (f" ({wait})" if s is Status.STARTING and wait else "")
         for s in Status
         if getattr(summary, s.value)
     )
-    line = f"{summary.total} region file(s) in {printable(str(root))}: {counts}"
+    line = f"{summary.total} {what}(s) in {printable(str(root))}: {counts}"
     if summary.orphaned:
         line += (
             f"; orphans pin {amount_text(summary.orphaned_resident_bytes, exact=exact)} "
@@ -237,11 +266,12 @@ def scan_report(
             human_age(row.changed),
             _holders_text(row.holders),
             printable(row.first.reason),
+            row.first.family,
         )
         for row in shown
     ]
     if table:
-        write_table(SCAN_COLUMNS, table, headers=headers)
+        write_table(*_with_family(SCAN_COLUMNS, table, report.families), headers=headers)
     if len(shown) < len(rows):
         _stderr_line(
             f"… {len(rows) - len(shown)} more region(s) not shown (--limit 0 shows all; --json for scripts)",
@@ -252,7 +282,13 @@ def scan_report(
     # How the root's mount backs regions (huge pages or 4 KiB ones) is in the JSON's
     # ``huge_pages``; its fix is `shmctl doctor`'s and `init --dry-run`'s to say, not every scan's.
     _summary(
-        summary_line(report.summary, report.root, exact=exact_bytes, reap=_reap_command(report)),
+        summary_line(
+            report.summary,
+            report.root,
+            exact=exact_bytes,
+            reap=_reap_command(report),
+            families=report.families,
+        ),
         headers=headers,
     )
 
@@ -261,7 +297,11 @@ def _reap_command(report: ScanReport) -> str:
     """The reap that removes every orphan of the scan: root's own reap leaves other users' files."""
     euid = os.geteuid()
     others = any(e.uid != euid for e in report.with_status(Status.ORPHANED))
-    return "shmctl reap --all-users" if others else "shmctl reap"
+    command = "shmctl reap --all-users" if others else "shmctl reap"
+    if _beyond_offload(report.families):
+        found = {e.family for e in report.with_status(Status.ORPHANED)}
+        command += "".join(f" --family {name}" for name in report.families if name in found)
+    return command
 
 
 def _deleted_table(report: ScanReport, *, exact_bytes: bool, headers: bool) -> None:
@@ -352,6 +392,7 @@ def _reap_rows(
             size_text(row.size, exact=exact),
             size_text(row.resident, exact=exact),
             printable(_other_user_reason(row) if verb == "left" else row.first.reason),
+            row.first.family,
         )
         for row in _rows(entries)
     ]
@@ -416,7 +457,7 @@ def reap_report(
     rows += _reap_rows("kept", [e for e in report.kept if id(e) not in failed], exact=exact_bytes)
     rows += _reap_rows("left", report.other_users_left, exact=exact_bytes, style=STYLE[Status.ORPHANED])
     if rows:
-        write_table(REAP_COLUMNS, rows, headers=headers)
+        write_table(*_with_family(REAP_COLUMNS, rows, report.families), headers=headers)
     files = len(report.removed)
     freed = amount_text(report.freed_bytes, exact=exact_bytes)
     others = _other_users_note(report, exact=exact_bytes)
@@ -432,7 +473,9 @@ def reap_report(
         elif report.filtered_out:
             line = "nothing to reap" + _filter_notes(report, filters_text, exact=exact_bytes) + starting
         else:
-            line = f"nothing to reap: {summary_line(report.summary, report.root, exact=exact_bytes)}"
+            line = "nothing to reap: " + summary_line(
+                report.summary, report.root, exact=exact_bytes, families=report.families
+            )
     else:
         verb = "would remove" if report.dry_run else "removed"
         line = f"{verb} {files} file(s), {'freeing' if report.dry_run else 'freed'} {freed}"
@@ -506,7 +549,7 @@ def untrusted_parks_line(untrusted: Sequence[UntrustedPark], parks: Sequence[Par
 def reap_preview(report: ReapReport, *, shown: int = 20, exact_bytes: bool = False) -> None:
     """What a confirmed reap will remove, on stderr (stdout is for the result)."""
     rows = _reap_rows("will-remove", report.removed, exact=exact_bytes)
-    write_table(REAP_COLUMNS, rows[:shown], stream=sys.stderr)
+    write_table(*_with_family(REAP_COLUMNS, rows[:shown], report.families), stream=sys.stderr)
     if len(rows) > shown:
         _stderr_line(f"… and {len(rows) - shown} more region(s) (--dry-run --json lists all)")
 

@@ -25,7 +25,7 @@ from kvoffload.liveness.park.views import ParkedView, ParkView, UntrustedPark
 from kvoffload.liveness.probe import probe_file
 from kvoffload.liveness.report import ScanEntry, entry_of
 from kvoffload.liveness.verdict import FileEvidence, ScannerView, Status, decide
-from kvoffload.shm import names
+from kvoffload.shm import families as shm_families
 
 __all__ = ["JudgedParks", "judge_parks"]
 
@@ -117,8 +117,10 @@ def _judge_parked(
     when: float,
     owners: Owners,
 ) -> list[ScanEntry]:
-    parsed = ((name, names.parse(name)) for name in found.files or ())
-    listed = stat_names(root, park_fd, [(name, region) for name, region in parsed if region is not None])
+    # A reaper parks the files of every family it was asked to remove (``--family``); what it
+    # left is judged whatever this scan's families, so that a dead reaper's work is settled.
+    parsed = ((name, shm_families.parse(name)) for name in found.files or ())
+    listed = stat_names(root, park_fd, [(name, f[1], f[0]) for name, f in parsed if f is not None])
     # A reaper parks only what it proved: regular files with one link (and, unless it is root,
     # of its own uid). Anything else in its directory (a symlink, a fifo, a directory, a hard
     # link, another uid's file) its owner put there: a stranger, never judged, moved or removed.

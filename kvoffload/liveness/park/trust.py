@@ -56,7 +56,7 @@ from kvoffload.liveness.park.directory import (
     rmdir_if,
     sole_regular,
 )
-from kvoffload.shm import names
+from kvoffload.shm import families as shm_families
 
 __all__ = [
     "NO_MARK",
@@ -252,8 +252,9 @@ def _judge_open(
             return _untrusted(name, st, problem)
         return FoundPark(name, identity(st), st.st_uid, reaper, lock_held(fd), (), unfinished=True)
     mark = mark_name(root)
-    files = tuple(sorted(n for n in inside if names.parse(n) is not None))
-    others = tuple(sorted(n for n in inside if n != mark and names.parse(n) is None))
+    # Files of every family: a reaper parks whichever it was asked to remove (``--family``).
+    files = tuple(sorted(n for n in inside if shm_families.parse(n) is not None))
+    others = tuple(sorted(n for n in inside if n != mark and shm_families.parse(n) is None))
     return FoundPark(name, identity(st), st.st_uid, reaper, lock_held(fd), files, others=others)
 
 
