@@ -39,11 +39,9 @@ if TYPE_CHECKING:
     from kvoffload.liveness.scan import ScanOptions
 
 __all__ = [
-    "DEFAULT_FAMILIES",
     "DEFAULT_GRACE",
     "DONE_ENV",
     "ENABLE_ENV",
-    "FAMILIES",
     "FAMILIES_ENV",
     "GRACE_ENV",
     "LOGGER_NAME",
@@ -69,8 +67,6 @@ LOGGER_NAME = "vllm.shmctl_reap"
 #: ``vllm serve`` included, beside engines that may be starting right now.
 DEFAULT_GRACE = "30s"
 #: The families of files ``reap`` knows (issue #30's contract); ``all`` is every one.
-FAMILIES = ("offload", "psm", "sem", "nccl", "torch")
-DEFAULT_FAMILIES = frozenset({"offload"})
 #: An ancestor chain longer than this is not walked further (a loop in a fake /proc).
 _MAX_ANCESTORS = 64
 _NAMES_SHOWN = 3
@@ -114,7 +110,7 @@ def reap_once(
     root = env.get(ROOT_ENV) or "/dev/shm"
     try:
         options = scan_options(
-            env.get(GRACE_ENV) or DEFAULT_GRACE, families_from_env(env.get(FAMILIES_ENV), log), log
+            env.get(GRACE_ENV) or DEFAULT_GRACE, families_from_env(env.get(FAMILIES_ENV), log)
         )
         started = time.monotonic()
         try:
@@ -139,44 +135,34 @@ def reap_once(
 
 def families_from_env(text: str | None, log: logging.Logger) -> frozenset[str]:
     """``SHMCTL_FAMILIES`` (names separated by spaces, ``all`` for every one) as a set of
-    families; unset or empty is ``offload`` alone. An unknown name is left out, with a
-    warning: a typo must make the plugin remove less, never more."""
+    families, always with ``offload``: the plugin exists to free the dead engine's region, as
+    the wrapper does with the same variable. An unknown name is left out, with a warning: a
+    typo must make the plugin remove less, never more."""
+    from kvoffload.shm.families import ALL, ALL_WORD, DEFAULT, FAMILY_NAMES
+
     names = (text or "").split()
-    if not names:
-        return DEFAULT_FAMILIES
-    unknown = sorted({n for n in names if n not in FAMILIES and n != "all"})
+    unknown = sorted({n for n in names if n not in FAMILY_NAMES and n != ALL_WORD})
     if unknown:
         log.warning(
-            "shmctl_reap: %s: unknown famil%s %s left out (fix: use %s or all)",
+            "shmctl_reap: %s: unknown famil%s %s left out (fix: use %s or %s)",
             FAMILIES_ENV,
             "y" if len(unknown) == 1 else "ies",
             " ".join(unknown),
-            ", ".join(FAMILIES),
+            ", ".join(FAMILY_NAMES),
+            ALL_WORD,
         )
-    if "all" in names:
-        return frozenset(FAMILIES)
-    return frozenset(n for n in names if n in FAMILIES) or DEFAULT_FAMILIES
+    if ALL_WORD in names:
+        return ALL
+    return DEFAULT | frozenset(n for n in names if n in FAMILY_NAMES)
 
 
-def scan_options(grace: str, families: frozenset[str], log: logging.Logger) -> ScanOptions:
+def scan_options(grace: str, families: frozenset[str]) -> ScanOptions:
     """The ``ScanOptions`` the plugin reaps by: ``grace`` (a duration, ``SHMCTL_GRACE``) and
-    ``families``.
-
-    Families are not passed on yet: ``ScanOptions.families`` lands with the families part of
-    issue #30, and this is the one place to pass them (``families=families``) when it does.
-    Until then the plugin reaps the offload regions only, and says so when asked for more.
-    """
+    ``families`` (``SHMCTL_FAMILIES``)."""
     from kvoffload.durations import parse_duration
     from kvoffload.liveness.scan import ScanOptions
 
-    grace_s = parse_duration(grace, option=GRACE_ENV)
-    if families != DEFAULT_FAMILIES:
-        log.warning(
-            "shmctl_reap: %s: this shmctl reaps the offload family only; %s left alone",
-            FAMILIES_ENV,
-            " ".join(sorted(families - DEFAULT_FAMILIES)),
-        )
-    return ScanOptions(grace_s=grace_s)
+    return ScanOptions(grace_s=parse_duration(grace, option=GRACE_ENV), families=families)
 
 
 def summary_line(report: ReapReport, grace_s: float, seconds: float) -> str:

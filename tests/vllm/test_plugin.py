@@ -295,7 +295,7 @@ def test_the_default_grace_is_reaps_own() -> None:
     [
         (None, {"offload"}),
         ("", {"offload"}),
-        ("psm sem", {"psm", "sem"}),
+        ("psm sem", {"offload", "psm", "sem"}),  # the region always: as the wrapper reads it
         ("  offload\tnccl ", {"offload", "nccl"}),
         ("all", {"offload", "psm", "sem", "nccl", "torch"}),
     ],
@@ -306,12 +306,30 @@ def test_families_are_read_from_a_space_separated_list(text: str | None, familie
 
 def test_an_unknown_family_is_left_out_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        assert plugin.families_from_env("psm bogus", logging.getLogger("test")) == {"psm"}
+        assert plugin.families_from_env("psm bogus", logging.getLogger("test")) == {"offload", "psm"}
         assert plugin.families_from_env("bogus", logging.getLogger("test")) == {"offload"}
     fix = "(fix: use offload, psm, sem, nccl, torch or all)"
     assert [r.getMessage() for r in caplog.records] == [
         f"shmctl_reap: SHMCTL_FAMILIES: unknown family bogus left out {fix}"
     ] * 2
+
+
+def test_shmctl_families_adds_the_dead_engines_other_files_to_its_region(shm: Path, engine_id: str) -> None:
+    region = leave_orphan(shm, engine_id)
+    segment = shm / "psm_0badf00d"
+    segment.write_bytes(b"q" * 4096)
+    os.utime(segment, (1, 1))  # ctime is now: past a 0s grace all the same
+    try:
+        kept = run_register(enabled(shm))
+        assert segment.exists()  # without SHMCTL_FAMILIES: the offload family only
+        run = run_register(enabled(shm, SHMCTL_FAMILIES="psm"))
+        assert not segment.exists()
+    finally:
+        segment.unlink(missing_ok=True)
+    assert (kept.returncode, run.returncode) == (0, 0), kept.stderr + run.stderr
+    assert not region.exists()
+    assert "removed 1 file(s)" in run.logged("INFO")[0]
+    assert run.logged("WARNING") == []
 
 
 # ------------------------------------------------------------------ in vLLM's own loader
@@ -366,7 +384,9 @@ def in_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InVllm]:
         done = subprocess.run(
             [str(VLLM_PYTHON), "-c", _IN_VLLM],
             env=env,
-            cwd=REPO,
+            # Not the checkout: "-c" puts the cwd first on sys.path, and a checkout's
+            # shmctl.egg-info (pip install -e leaves one) would shadow the metadata above.
+            cwd=dist.parent,
             capture_output=True,
             text=True,
             timeout=240,
