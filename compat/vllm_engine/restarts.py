@@ -129,12 +129,22 @@ def wrapper_said(e: Engine) -> list[str]:
     return said
 
 
+def kill_whole(e: Engine, timeout_s: float = 30.0) -> None:
+    """SIGKILL every process of the engine, and wait until each has exited, as a container runtime
+    does before it restarts the container: a process SIGKILLed but not yet exited still maps the
+    region, and a wrapper run then would rightly keep it as live."""
+    e.kill_all()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in e.tree):
+        time.sleep(0.1)
+
+
 def serve_then_kill(args: argparse.Namespace, name: str, engine_id: str) -> tuple[dict[str, Any] | None, str]:
     """An engine that serves, then SIGKILL of its whole tree: its facts, and the region it left."""
     region = f"vllm_offload_{engine_id}.mmap"
     with engine(args, f"{name}-0", config(engine_id), env=engine_env()) as e:
         facts = e.wait_ready()
-        e.kill_all()
+        kill_whole(e)
     return facts, region
 
 
@@ -205,6 +215,10 @@ def restart(args: argparse.Namespace, name: str, kind: str) -> list[Row]:
             line for line in e.log.read_text(errors="replace").splitlines() if "shmctl" in line.lower()
         ][:4]
         got += f"; plugin log: {plugin or 'none'}"
+        if not plugin_declared():
+            got += (
+                " [pyproject.toml declares no vllm.general_plugins entry point shmctl_reap: no plugin here]"
+            )
         return [Row(name, "the shmctl_reap plugin removes the dead region; serves", got, served)]
     raise SystemExit(f"unknown restart {kind}")
 
@@ -298,6 +312,14 @@ def partly_dead(args: argparse.Namespace, name: str) -> list[Row]:
     ]
 
 
+def plugin_declared() -> bool:
+    """Whether this checkout declares the plugin vLLM would load (``entry_points_path`` exposes it)."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return "shmctl_reap" in project.get("entry-points", {}).get("vllm.general_plugins", {})
+
+
 def families_landed() -> bool:
     done = subprocess.run(
         [sys.executable, "-m", "shmctl", "reap", "--help"],
@@ -324,7 +346,7 @@ def cycles(args: argparse.Namespace, name: str) -> list[Row]:
                 notes.append(f"cycle {n}: failed: {first_error(e)}")
                 break
             served += 1
-            e.kill_all()
+            kill_whole(e)
         seen.append(counts())
         notes.append(f"cycle {n}: served in {took:.0f} s, after the kill {usage()}")
     files = [f for f, _ in seen]
