@@ -17,7 +17,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,16 +80,27 @@ class Engine:
     that group reaches every engine process even when the scenario itself is killed.
     """
 
-    def __init__(self, args: argparse.Namespace, name: str, config: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        name: str,
+        config: Mapping[str, Any] | None,
+        *,
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """``prefix`` runs before the engine (a wrapper that ``exec``s it); ``env`` replaces ours."""
         self.facts_path = Path(args.work) / "scenarios" / f"{name}.engine.json"
         self.facts_path.unlink(missing_ok=True)
         self.log = self.facts_path.with_suffix(".log")
-        argv = [sys.executable, str(HARNESS), "engine", "--model", str(args.model)]
+        argv = [*prefix, sys.executable, str(HARNESS), "engine", "--model", str(args.model)]
         argv += ["--out", str(self.facts_path), "--hold"]
         if config is not None:
             argv += ["--kv-config", json.dumps(config)]
         with self.log.open("wb") as sink:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=sink, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=sink, stderr=subprocess.STDOUT, env=env
+            )
         self.tree: list[int] = []
 
     def wait_ready(self) -> dict[str, Any] | None:
@@ -130,8 +141,15 @@ class Engine:
 
 
 @contextlib.contextmanager
-def engine(args: argparse.Namespace, name: str, config: Mapping[str, Any] | None) -> Iterator[Engine]:
-    e = Engine(args, name, config)
+def engine(
+    args: argparse.Namespace,
+    name: str,
+    config: Mapping[str, Any] | None,
+    *,
+    prefix: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Iterator[Engine]:
+    e = Engine(args, name, config, prefix=prefix, env=env)
     try:
         yield e
     finally:

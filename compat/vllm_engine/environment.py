@@ -4,9 +4,14 @@ The venv is built under the work folder from the pins: torch's CPU build first, 
 (which pins that torch), then ``UNWANTED`` removed (pip picks CUDA builds of them, which break
 ``transformers``' imports; a text model needs none), then this repository, editable. It is
 rebuilt only when the pins change (a stamp of their hash).
-Everything run in it runs offline (``offline_env``), without this process's failpoints or
-PYTHONPATH. The harness runs itself there by path, as ``python HARNESS <command>`` (``__main__``
-says why by path).
+Everything run in it runs offline (``offline_env``), without this process's failpoints, and with
+``PYTHONPATH`` naming this checkout: the venv's editable install points at the checkout that
+built it, which may be another one (a second worktree sharing the venv), and the scenarios must
+run this one's code. vLLM finds plugins by entry point, which an editable install records only
+when it is installed: ``entry_points_path`` writes this checkout's entry points from
+pyproject.toml on every run into a folder of its own, on that ``PYTHONPATH`` too, so a plugin
+added since the venv was built is visible without reinstalling anything. The harness runs
+itself there by path, as ``python HARNESS <command>`` (``__main__`` says why by path).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from vllm_compat.errors import SetupError
@@ -53,10 +59,30 @@ def ensure_engine_venv(venv: Path) -> Path:
     return python
 
 
-def offline_env(**more: str) -> dict[str, str]:
+#: The distribution ``entry_points_path`` writes: a name of its own, so it shadows nothing.
+ENTRY_POINTS_DIST = "shmctl_harness_entry_points-0.dist-info"
+
+
+def entry_points_path(work: Path) -> Path:
+    """A folder whose only distribution carries pyproject.toml's entry points (console scripts aside)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    lines = []
+    for group, points in sorted(project.get("entry-points", {}).items()):
+        lines += [f"[{group}]", *(f"{k} = {v}" for k, v in sorted(points.items())), ""]
+    folder = work / "entry-points"
+    dist = folder / ENTRY_POINTS_DIST
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: shmctl-harness-entry-points\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("\n".join(lines))
+    return folder
+
+
+def offline_env(*paths: Path, **more: str) -> dict[str, str]:
+    """The environment of a run in the engine's venv: offline, this checkout (and ``paths``) first."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    for name in ("KVOFFLOAD_FAILPOINTS", "KVOFFLOAD_FAILPOINTS_SEED", "PYTHONPATH"):
+    for name in ("KVOFFLOAD_FAILPOINTS", "KVOFFLOAD_FAILPOINTS_SEED"):
         env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (REPO, *paths))
     env.update(more)
     return env
 

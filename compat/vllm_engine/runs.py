@@ -15,7 +15,7 @@ from pathlib import Path
 
 from vllm_compat.isolation import ProcessGroups, private_shm_argv, run_in_group
 
-from .environment import HARNESS, offline_env
+from .environment import HARNESS, entry_points_path, offline_env
 from .results import Row
 
 SCENARIO_TIMEOUT_S = 900.0
@@ -40,7 +40,12 @@ def run_scenario(python: Path, name: str, work: Path, model: Path, groups: Proce
         str(out),
     ]
     run = run_in_group(
-        argv, cwd=work, env=offline_env(), log=log, timeout_s=SCENARIO_TIMEOUT_S, groups=groups
+        argv,
+        cwd=work,
+        env=offline_env(entry_points_path(work)),
+        log=log,
+        timeout_s=SCENARIO_TIMEOUT_S,
+        groups=groups,
     )
     if out.is_file():
         return [Row(**r) for r in json.loads(out.read_text())]

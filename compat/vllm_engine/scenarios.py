@@ -27,6 +27,10 @@ Each runs in a private ``/dev/shm`` (``runs``) and writes its rows to ``--out``:
   ``--fail-at secondary`` (verdict contract-held, the fault fired in the scheduler, no
   residue, no engine process left, exit 0); each report valid against the init schema
   (``init_vllm``).
+- ``restart-plain``, ``-wrapper``, ``-pinned``, ``-partly-dead``, ``-agent``, ``-cycles``,
+  ``-plugin``: vLLM #54002's crash loop on a ``/dev/shm`` sized for one region plus less than a
+  second: a killed engine started again in place fails as vLLM fails; through the entrypoint
+  wrapper, with the agent or with the plugin it serves (``restarts`` says what each checks).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .engine import ROLES
 from .failed_starts import fault, vllm_own_spec
 from .init_vllm import init_vllm
 from .kills import kill
+from .restarts import restart, restart_names
 from .results import Row
 from .serving import baseline, serve
 
@@ -62,6 +67,7 @@ def scenario_names() -> list[str]:
     names += [f"kill-{role}" for role in ROLES]
     names.append("vllm-own-spec")
     names.append("init-vllm")
+    names += restart_names()
     return names
 
 
@@ -81,6 +87,8 @@ def scenario_main(args: argparse.Namespace) -> int:
         rows = vllm_own_spec(args, name)
     elif name == "init-vllm":
         rows = init_vllm(args, name)
+    elif name.startswith("restart-"):
+        rows = restart(args, name, name.removeprefix("restart-"))
     else:
         raise SystemExit(f"unknown scenario {name}")
     Path(args.out).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
