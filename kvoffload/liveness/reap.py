@@ -164,6 +164,9 @@ class ReapReport:
     untrusted_parks: tuple[UntrustedPark, ...] = ()
     #: The families of files judged (``--family``), as the scan's.
     families: tuple[str, ...] = ("offload",)
+    #: Files the filters chose that a process holds, each with its holders in its reason:
+    #: kept, and what a restart that will not fit is waiting on.
+    live: tuple[ScanEntry, ...] = ()
 
     @property
     def unknown_resident_bytes(self) -> int:
@@ -329,6 +332,7 @@ def _reap_root(
         parks_removed=tuple(done.parks_removed),
         untrusted_parks=report.untrusted_parks,
         families=report.families,
+        live=select(report, filters, Status.LIVE),
     )
 
 

@@ -381,6 +381,17 @@ def kept_unknown_line(report: ReapReport) -> None:
     )
 
 
+def _live_note(report: ReapReport) -> str:
+    """``; live: ENGINE: held by …`` for the first live region reap kept (and how many more):
+    a restarting engine that does not fit waits on them, and the operator needs the pids."""
+    if not report.live:
+        return ""
+    first = report.live[0]
+    more = len({e.unit for e in report.live}) - 1
+    tail = f" (and {more} more live region(s))" if more else ""
+    return f"; live: {printable(first.engine_id)}: {printable(first.reason)}{tail}"
+
+
 def _reap_rows(
     verb: str, entries: Sequence[ScanEntry], *, exact: bool, style: str | None = None
 ) -> list[Sequence[Cell]]:
@@ -500,7 +511,7 @@ def reap_report(
         if others:
             line += f"; {others}"
         line += _filter_notes(report, filters_text, exact=exact_bytes) + starting
-    _summary(line, headers=headers)
+    _summary(line + _live_note(report), headers=headers)
 
 
 def failed_line(report: ReapReport) -> None:

@@ -339,3 +339,19 @@ def test_vouched_processes_are_reported_but_not_named_as_blind_spots(
     assert doc["assumed_not_holding"] == sorted(uninspectable_pids())
     assert {u["pid"] for u in doc["uninspected"]} >= set(uninspectable_pids())
     assert "could not inspect" not in err
+
+
+def test_reap_names_who_holds_the_live_region_it_kept(
+    root: Path, engine_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A restart that does not fit waits on a live region: reap says whose, not just how many."""
+    orphan = leave_orphan(root, engine_id + "-dead")
+    with Child("map-only", write_file(region_path(root, engine_id + "-live"))) as child:
+        code, out, err = run(capsys, "reap", "--root", str(root), "--grace", "0", "--yes")
+        assert (code, err) == (0, "")  # a healthy node's cron reap stays quiet on stderr
+        [summary] = [line for line in out.splitlines() if line.startswith("removed 1 file(s)")]
+        assert f"; live: {engine_id}-live: held by 1 process(es): {child.pid}:" in summary
+        code, out, _ = run(capsys, "reap", "--root", str(root), "--grace", "0", "--yes", "--json")
+    assert not orphan.exists()
+    [live] = json.loads(out)["live"]
+    assert (live["engine_id"], [h["pid"] for h in live["holders"]]) == (f"{engine_id}-live", [child.pid])
