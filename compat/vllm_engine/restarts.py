@@ -294,18 +294,22 @@ def partly_dead(args: argparse.Namespace, name: str) -> list[Row]:
         f"restart {'served' if facts else 'failed'} ({took:.0f} s): {error}; "
         f"region kept {kept}; scan's holders {holders}"
     )
+    # Before "; live: ": what the wrapper removed; after it, the live region it kept, named.
+    removed = [line.split("; live: ")[0] for line in said if line.startswith("removed")]
+    named = any("; live: vle-restart-0: held by " in line for line in said)
     ok = (
         bool(survivors)
         and kept
-        and not any(line.startswith("removed") and "vle-restart-0" in line for line in said)
+        and not any("vle-restart-0" in line for line in removed)
+        and named
         and not ours
         and bool(holders)
     )
     return [
         Row(
             name,
-            "live engine: the wrapper removes nothing and says so; the failure is vLLM's; "
-            "scan names the holders",
+            "live engine: the wrapper removes nothing and names the live holders; the failure is "
+            "vLLM's; scan names them too",
             got,
             ok,
         )
