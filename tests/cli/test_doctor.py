@@ -230,36 +230,14 @@ def test_the_huge_page_fix_for_a_large_region_is_init_dry_runs_word_for_word(roo
     assert check["status"] == "warn"
     assert check["fix"] == mounts.huge_pages_advice(info)
     assert check["fix"].endswith("(docs/doctor.md#huge-pages)")
-    extra = {"cpu_bytes_to_use": 2 << 30}
-    config = json.dumps({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra})
-    plan = shmctl(
-        "init",
-        "--root",
-        str(root),
-        "--dry-run",
-        "--kv-bytes-per-block",
-        "65536",
-        "--kv-transfer-config",
-        config,
-    )
+    plan = dry_run(root, cpu_bytes=2 << 30)
     assert plan.returncode == 0, plan.stderr
     assert f"fix: {check['fix']}\n" in plan.stdout
 
 
 def test_init_dry_run_gives_no_huge_page_fix_for_a_small_region(root: Path) -> None:
     default_tmpfs(root)
-    extra = {"cpu_bytes_to_use": 8 << 20}
-    config = json.dumps({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra})
-    plan = shmctl(
-        "init",
-        "--root",
-        str(root),
-        "--dry-run",
-        "--kv-bytes-per-block",
-        "65536",
-        "--kv-transfer-config",
-        config,
-    )
+    plan = dry_run(root, cpu_bytes=8 << 20)
     assert plan.returncode == 0, plan.stderr
     assert ": off: 4 KiB pages" in plan.stdout  # the fact stays; the advice does not apply
     assert "huge=within_size" not in plan.stdout
@@ -538,3 +516,19 @@ def test_loading_the_cli_imports_no_part_of_doctor() -> None:
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout == "[]\n"
+
+
+def dry_run(root: Path, *, cpu_bytes: int) -> subprocess.CompletedProcess[str]:
+    """``init --dry-run`` of a CPU region of ``cpu_bytes`` in ``root``."""
+    extra = {"cpu_bytes_to_use": cpu_bytes}
+    config = json.dumps({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra})
+    return shmctl(
+        "init",
+        "--root",
+        str(root),
+        "--dry-run",
+        "--kv-bytes-per-block",
+        "65536",
+        "--kv-transfer-config",
+        config,
+    )
