@@ -119,8 +119,13 @@ def _judge_parked(
 ) -> list[ScanEntry]:
     # A reaper parks the files of every family it was asked to remove (``--family``); what it
     # left is judged whatever this scan's families, so that a dead reaper's work is settled.
-    parsed = ((name, shm_families.parse(name)) for name in found.files or ())
-    listed = stat_names(root, park_fd, [(name, f[1], f[0]) for name, f in parsed if f is not None])
+    named = []
+    for name in found.files or ():
+        found_in = shm_families.parse(name)
+        if found_in is not None:
+            family, region = found_in
+            named.append((name, region, family))
+    listed = stat_names(root, park_fd, named)
     # A reaper parks only what it proved: regular files with one link (and, unless it is root,
     # of its own uid). Anything else in its directory (a symlink, a fifo, a directory, a hard
     # link, another uid's file) its owner put there: a stranger, never judged, moved or removed.

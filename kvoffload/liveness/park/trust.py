@@ -253,8 +253,9 @@ def _judge_open(
         return FoundPark(name, identity(st), st.st_uid, reaper, lock_held(fd), (), unfinished=True)
     mark = mark_name(root)
     # Files of every family: a reaper parks whichever it was asked to remove (``--family``).
-    files = tuple(sorted(n for n in inside if shm_families.parse(n) is not None))
-    others = tuple(sorted(n for n in inside if n != mark and shm_families.parse(n) is None))
+    parked = {n for n in inside if shm_families.parse(n) is not None}
+    files = tuple(sorted(parked))
+    others = tuple(sorted(n for n in inside if n != mark and n not in parked))
     return FoundPark(name, identity(st), st.st_uid, reaper, lock_held(fd), files, others=others)
 
 
