@@ -102,7 +102,10 @@ def changed_s(st: os.stat_result, when: float) -> float:
     operator reads is what the grace period judges: ``touch -d`` must not turn a region being
     created right now into an old one. ``ls -l``'s age is :func:`mtime_age_s`.
     """
-    changed = st.st_ctime if st.st_mtime > when + CLOCK_SKEW_S else max(st.st_mtime, st.st_ctime)
+    # From the nanosecond fields, as JSON's ``ctime_ns`` reports them: ``st_ctime`` is rounded
+    # on its own and can disagree in the last bit, so the two would not subtract to this age.
+    ctime_s, mtime_s = st.st_ctime_ns / 1e9, st.st_mtime_ns / 1e9
+    changed = ctime_s if mtime_s > when + CLOCK_SKEW_S else max(mtime_s, ctime_s)
     return max(0.0, when - changed)
 
 

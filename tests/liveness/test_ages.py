@@ -33,10 +33,10 @@ def test_a_mtime_set_back_leaves_the_changed_age_at_the_ctime(root: Path, engine
     path = leave_orphan(root, engine_id)
     two_minutes_ago = time.time() - 120
     os.utime(path, (two_minutes_ago, two_minutes_ago))  # `touch -d '-2 min'`: ctime is now
-    now = ctime(path) + 5
+    now = ctime(path) + 5.5  # off a whole second: float sums round either way
     e = entry(scan(root, grace_s=GRACE_S, now=now), path)
     assert e.status is Status.STARTING
-    assert e.changed_age_s == pytest.approx(5, abs=1e-3)
+    assert e.changed_age_s == pytest.approx(5.5, abs=1e-3)
     assert e.ctime_ns == os.stat(path).st_ctime_ns
     assert e.age_s >= 120  # ls -l's age, as before: only the grace's age is the ctime's
     assert "changed 5s ago" in e.reason
@@ -45,11 +45,11 @@ def test_a_mtime_set_back_leaves_the_changed_age_at_the_ctime(root: Path, engine
 
 def test_a_starting_entry_says_when_its_grace_period_ends(root: Path, engine_id: str) -> None:
     path = write_file(region_path(root, engine_id))
-    now = ctime(path) + 10
+    now = ctime(path) + 10.5
     report = scan(root, grace_s=GRACE_S, now=now)
     e = entry(report, path)
     assert e.status is Status.STARTING
-    assert e.removable_in_s == pytest.approx(GRACE_S - 10, abs=1e-3)
+    assert e.removable_in_s == pytest.approx(GRACE_S - 10.5, abs=1e-3)
     assert e.removable_at == pytest.approx(ctime(path) + GRACE_S, abs=1e-3)
     assert e.reason.endswith("within the 30s grace period: removable in 20s unless it is opened")
     assert report.summary.starting_first_removable_in_s == e.removable_in_s
