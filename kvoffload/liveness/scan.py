@@ -366,7 +366,11 @@ class ScanStream:
     could not be taken, a refused one the last walk did not name a running holder for, park
     directories, a device the last walk did not record) makes ``walks`` walk ``/proc`` once,
     and the rest of the root is judged on that walk as any stream is. What only a walk yields
-    (``uninspected``, ``deleted``) is the last walk's until then.
+    (``uninspected``, ``deleted``) is the last walk's until then. A refused file a walk named
+    nobody for (``ProcWalks.unnamed``: its holder is out of this ``/proc``'s sight) needs no
+    walk, and is judged with no holder, as that walk did. With ``walks`` and a walk of this
+    pass (``walks.fresh``) the stream judges on it and tells ``walks`` which refused files it
+    named nobody for.
     """
 
     def __init__(
@@ -402,7 +406,9 @@ class ScanStream:
         self._index: HolderIndex | None = None
         self._view: ScannerView | None = None
         #: Lease-first until this stream walks (None: judged on ``/proc`` as any stream).
-        self._walks = walks if holders is not None else None
+        self._walks = walks if holders is not None and walks is not None and not walks.fresh else None
+        #: Told which refused files a walk named nobody for.
+        self._noting = walks
         #: When the last files were judged (``scan``'s ``scanned_at``).
         self.scanned_at = 0.0
 
@@ -504,11 +510,26 @@ class ScanStream:
                     return self._walk("no_lease", devices)
                 key = (m.st.st_dev, m.st.st_ino)
                 named = last.holders.get(key, ()) if last.covers((key[0],)) else ()
-                if not named or not walks.running(named):
+                if named and walks.running(named):
+                    held[key] = named
+                elif not named and key in walks.unnamed:
+                    walks.note_unnamed(key)  # as the walk that found it: held out of sight
+                else:
                     return self._walk("holders_changed", devices)
-                held[key] = named
         # Nobody can lock a file nobody has open; a refused lease decides before any lock does.
         return dataclasses.replace(last, holders=held, anonymous_locks=frozenset())
+
+    def _note_unnamed(self, regions: Sorted, probes: dict[str, Probe], index: HolderIndex) -> None:
+        """Tell the agent's ``walks`` the refused files this walk named no holder of."""
+        noting = self._noting
+        assert noting is not None
+        for group in regions.groups.values():
+            if group.skipped:
+                continue
+            for m in group.members:
+                key = (m.st.st_dev, m.st.st_ino)
+                if probes[m.name].lease.held and not index.holders.get(key):
+                    noting.note_unnamed(key)
 
     def _scanner_view(self) -> ScannerView:
         if self._view is None:
@@ -552,6 +573,8 @@ class ScanStream:
             regions = Sorted.of(listed, self._owners)
             probes = {item.name: probe(item) for item in regions.to_probe()}
             index = self.index if self._walks is None else self._lease_view(regions, probes, devices)
+            if self._walks is None and self._noting is not None:
+                self._note_unnamed(regions, probes, index)
             when = self._when()
             view = self._scanner_view()
             skipped: dict[tuple[str, str], list[Listed]] = {}

@@ -11,7 +11,9 @@ on the leases and walk ``/proc`` only for what a lease cannot answer (``ScanStre
   filesystem that refuses leases, a probe that failed): its verdict needs a complete walk;
 * a refused lease the last walk did not name a holder for, or whose named holders no longer
   run (same pid *and* start time, from ``/proc/PID/stat``): a new engine, or a holder gone
-  and another come;
+  and another come. A file a walk found refused and held by nobody it could show (an agent
+  without ``hostPID`` sees no engine) is remembered as such (``unnamed``) and needs no walk
+  while its lease stays refused: another walk would show nobody either;
 * park directories, and a root on a device the last walk did not record;
 * a root with nominations (``--reap``): judged on a walk made at its turn, as always;
 * every ``every`` passes in any case: what only a walk yields (unlinked regions still mapped,
@@ -35,7 +37,7 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from kvoffload import procfs
-from kvoffload.liveness.holders import Holder, HolderIndex, collect_holders
+from kvoffload.liveness.holders import FileKey, Holder, HolderIndex, collect_holders
 
 __all__ = ["DEFAULT_WALK_EVERY", "WALK_REASONS", "ProcWalks"]
 
@@ -92,6 +94,10 @@ class ProcWalks:
         self._started: dict[int, int | None] = {}
         #: This pass's answers of ``running``, by pid.
         self._running: dict[int, bool] = {}
+        #: Files refused a lease that a walk named no holder of, as the last pass left them (one
+        #: key per live file held out of this ``/proc``'s sight; orphans are never here).
+        self.unnamed: frozenset[FileKey] = frozenset()
+        self._unnamed_next: set[FileKey] = set()
 
     @property
     def fresh(self) -> bool:
@@ -105,6 +111,8 @@ class ProcWalks:
         self.reasons = []
         self.failed = False
         self._running = {}
+        # Only what the last pass found again is kept: a file gone, or leasable, drops out.
+        self.unnamed, self._unnamed_next = frozenset(self._unnamed_next), set()
         if self.last is None:
             return "first"
         if not use_lease:
@@ -137,6 +145,11 @@ class ProcWalks:
         pids = {h.pid for found in index.holders.values() for h in found}
         self._started = {pid: self._start_ticks(pid) for pid in pids}
         return index
+
+    def note_unnamed(self, key: FileKey) -> None:
+        """``key``'s lease was refused and a walk named no holder of it: no walk will until the
+        holder shows (``--walk-every`` looks again)."""
+        self._unnamed_next.add(key)
 
     def running(self, holders: Iterable[Holder]) -> bool:
         """Whether every holder the last walk named still runs: the same pid, the same start time."""

@@ -12,6 +12,10 @@ Invariants:
   is judged on a ``/proc`` pass of its own, made at its turn, and a region goes only if this
   judgement finds it orphaned with the same files again; the removal is ``reap``'s, which
   locks each region and proves it dead once more under its lease before it unlinks.
+* Steady passes are lease-first (``walks``, docs/fleet.md): a region whose files' write
+  leases all answer is judged without ``/proc``, with the same verdict, reason and numbers a
+  walk would give; ``/proc`` is walked at most once a pass for what a lease cannot answer, and
+  every ``walk_every`` passes, so what only a walk yields is at most that many passes old.
 * Memory does not grow with files or roots (docs/agent-memory.md). A root is judged a region
   at a time (``ScanStream``) and removed in batches as the judgement goes; what a pass keeps
   of a root is numbers (``RootScan``), and what the next pass needs is one bytes key per
@@ -456,19 +460,18 @@ class Watcher:
         with contextlib.suppress(OSError):
             self.walks.walk(reason)
 
-    def _evidence(self, fresh: bool) -> tuple[HolderIndex | None, ProcWalks | None]:
-        """The holders a root's stream starts from, and ``walks`` where it is to be lease-first."""
+    def _evidence(self, fresh: bool) -> HolderIndex | None:
+        """The holders a root's stream starts from: this pass's walk, or the last one (the stream
+        is then lease-first), or None (it walks on its own)."""
         walks = self.walks
         if fresh:
             # Nominations: judged on a walk made at this root's turn, whatever the pass has.
             with contextlib.suppress(OSError):
                 walks.walk("removal")
-            return (walks.last if walks.fresh else None), None
-        if walks.fresh:
-            return walks.last, None
-        if walks.failed or walks.last is None or not walks.devices:
-            return None, None
-        return walks.last, walks
+            return walks.last if walks.fresh else None
+        if walks.failed or not walks.devices:
+            return None
+        return walks.last
 
     def _watch_root(self, match: roots.Match, bases: dict[roots.Pattern, int]) -> RootPass | None:
         """Scan (and reap) one root; None when it vanished under us."""
@@ -538,8 +541,8 @@ class Watcher:
         untrusted: set[bytes] = set()
         pending: list[tuple[ScanEntry, ...]] = []
         pending_files = 0
-        holders, walks = self._evidence(fresh)
-        with ScanStream(root, config.scan, holders=holders, root_fd=fd, walks=walks) as stream:
+        holders = self._evidence(fresh)
+        with ScanStream(root, config.scan, holders=holders, root_fd=fd, walks=self.walks) as stream:
             reaper = RootReaper(
                 root,
                 state.pod_uid,

@@ -294,3 +294,52 @@ def test_walk_every_below_1_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="--walk-every"):
         WatchConfig(roots=("/dev/shm",), walk_every=0)
+
+
+# An agent in a PID namespace of its own (a DaemonSet without hostPID) sees no engine: a walk names
+# no holder of a live region, so walking again for it would show nobody either.
+_OUT_OF_SIGHT = r"""
+import json, sys, time
+from pathlib import Path
+from kvoffload.liveness import lease
+from kvoffload.liveness.scan import ScanOptions, ScanStream
+from kvoffload.liveness.watch import WatchConfig, Watcher
+
+root = Path(sys.argv[1])
+options = ScanOptions(grace_s=0)
+w = Watcher(WatchConfig(roots=(str(root),), interval_s=0, scan=options))
+with lease.sigio_ignored():
+    passes = [list(w.run_pass().proc_walks) for _ in range(3)]
+    w.walks.begin(4, w.walks.devices)
+    now = time.time()
+    with ScanStream(root, options, holders=w.walks.last, walks=w.walks, now=now) as s:
+        first = [[e.name, e.status, e.reason] for region in s.regions() for e in region]
+    with ScanStream(root, options, now=now) as s:
+        full = [[e.name, e.status, e.reason] for region in s.regions() for e in region]
+print(json.dumps({"passes": passes, "first": first, "full": full, "walked": w.walks.reasons}))
+"""
+IN_CHILD_PID_NS = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")
+
+
+def test_a_region_held_out_of_sight_is_judged_by_its_lease_without_a_walk_every_pass(
+    root: Path, engine_id: str
+) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for an agent in its own PID namespace")
+    with Child("vllm", region_path(root, engine_id)):
+        done = subprocess.run(
+            [*IN_CHILD_PID_NS, sys.executable, "-c", _OUT_OF_SIGHT, str(root)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+    if done.returncode != 0 and "unshare" in done.stderr:
+        pytest.skip(f"cannot create a PID namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["passes"] == [["first"], [], []]
+    assert seen["walked"] == []
+    assert seen["first"] == seen["full"]
+    assert "cannot see" in seen["first"][0][2]
