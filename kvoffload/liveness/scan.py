@@ -474,11 +474,6 @@ class ScanStream:
         self._index = collect_holders(self.options.proc_root, devices=wanted)
         self._view = None
 
-    @property
-    def walked(self) -> bool:
-        """Whether this stream judges on a ``/proc`` walk (not on leases and the last walk alone)."""
-        return self._walks is None
-
     def _walk(self, reason: str, devices: Collection[int] = ()) -> HolderIndex:
         """The agent's walk for this pass (``ProcWalks.walk``); the rest is judged on it."""
         walks = self._walks
@@ -520,9 +515,14 @@ class ScanStream:
         return dataclasses.replace(last, holders=held, anonymous_locks=frozenset())
 
     def _note_unnamed(self, regions: Sorted, probes: dict[str, Probe], index: HolderIndex) -> None:
-        """Tell the agent's ``walks`` the refused files this walk named no holder of."""
+        """Tell the agent's ``walks`` the refused files this walk named no holder of, where the walk
+        could miss one (processes it cannot see or read): with every process in sight, such a
+        file was opened after the walk, and the next pass walks to name its holder."""
         noting = self._noting
         assert noting is not None
+        view = self._scanner_view()
+        if view.visibility.complete and not view.blind_spots:
+            return
         for group in regions.groups.values():
             if group.skipped:
                 continue

@@ -11,9 +11,11 @@ on the leases and walk ``/proc`` only for what a lease cannot answer (``ScanStre
   filesystem that refuses leases, a probe that failed): its verdict needs a complete walk;
 * a refused lease the last walk did not name a holder for, or whose named holders no longer
   run (same pid *and* start time, from ``/proc/PID/stat``): a new engine, or a holder gone
-  and another come. A file a walk found refused and held by nobody it could show (an agent
-  without ``hostPID`` sees no engine) is remembered as such (``unnamed``) and needs no walk
-  while its lease stays refused: another walk would show nobody either;
+  and another come. A file a walk found refused and held by nobody it could show, where that
+  walk could not see or read every process (an agent without ``hostPID`` sees no engine), is
+  remembered as such (``unnamed``) and needs no walk while its lease stays refused: another
+  walk would show nobody either. Where every process is in sight, such a file was opened after
+  the walk, and the next pass walks to name its holder;
 * park directories, and a root on a device the last walk did not record;
 * a root with nominations (``--reap``): judged on a walk made at its turn, as always;
 * every ``every`` passes in any case: what only a walk yields (unlinked regions still mapped,

@@ -343,3 +343,28 @@ def test_a_region_held_out_of_sight_is_judged_by_its_lease_without_a_walk_every_
     assert seen["walked"] == []
     assert seen["first"] == seen["full"]
     assert "cannot see" in seen["first"][0][2]
+
+
+def test_a_holder_that_came_after_the_walk_in_full_sight_is_named_by_the_next_pass(
+    root: Path, engine_id: str
+) -> None:
+    from kvoffload.liveness.namespace import visibility
+    from tests.support.procs import uninspectable_pids
+
+    if not visibility().complete:
+        pytest.skip("this /proc does not show every process: a walk could never name the holder")
+    # Every process in sight (the uninspectable ones vouched for, as an operator would).
+    options = ScanOptions(grace_s=0, assume_not_holding=uninspectable_pids())
+    walks = ProcWalks(options.proc_root)
+    devices = {os.stat(root).st_dev}
+    walks.begin(1, devices)
+    walks.walk("first")
+    with Child("vllm", region_path(root, engine_id)) as engine, lease.sigio_ignored():
+        # Opened after this pass's walk, before its probe: refused, and named by nobody yet.
+        with ScanStream(root, options, holders=walks.last, walks=walks) as s:
+            assert [e.status for region in s.regions() for e in region] == ["live"]
+        walks.begin(2, devices)
+        with ScanStream(root, options, holders=walks.last, walks=walks) as s:
+            reasons = [e.reason for region in s.regions() for e in region]
+    assert walks.reasons == ["holders_changed"]
+    assert f"{engine.pid}:" in reasons[0]
