@@ -227,6 +227,9 @@ class PassSummary(Event):
     removed_files: int = 0
     seconds: float = 0.0
     errors: int = 0
+    #: Why this pass walked ``/proc``, a reason per walk (``walks.WALK_REASONS``); empty when
+    #: the leases decided everything and the walk-only numbers are the last walk's.
+    proc_walks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,3 +310,7 @@ class PassReport:
     vanished: tuple[Path, ...]
     summary: PassSummary
     stopped: bool = False
+    #: Why this pass walked ``/proc`` (as ``PassSummary.proc_walks``).
+    proc_walks: tuple[str, ...] = ()
+    #: When the last walk was made, this pass's or an earlier one (None: none yet).
+    proc_walk_at: float | None = None

@@ -59,7 +59,14 @@ from typing import Any, TypedDict, Unpack
 from kvoffload import procfs
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.liveness import lease, park, prober
-from kvoffload.liveness.holders import DeletedMapping, HolderIndex, Uninspected, collect_holders
+from kvoffload.liveness.holders import (
+    DeletedMapping,
+    FileKey,
+    Holder,
+    HolderIndex,
+    Uninspected,
+    collect_holders,
+)
 from kvoffload.liveness.lease import LeaseProbe
 from kvoffload.liveness.listing import (
     Group,
@@ -93,6 +100,7 @@ from kvoffload.liveness.verdict import (
     changed_s,
     decide,
 )
+from kvoffload.liveness.walks import ProcWalks
 from kvoffload.shm import families as shm_families
 from kvoffload.shm import mounts
 from kvoffload.shm.names import DEFAULT_ROOT
@@ -349,6 +357,20 @@ class ScanStream:
     what it judged through ``dir_fd`` while it goes on. ``parked()`` judges the park
     directories found in the listing; ``regions()`` yields every other region once, as the
     entries of its files (files that are ``skipped`` themselves included), by engine id.
+
+    With ``walks`` (the agent's ``ProcWalks``) and ``holders`` its last walk, the stream is
+    lease-first: each chunk is probed before anything else, and a region is judged without
+    ``/proc`` when every file's lease answered: granted, with no holder at all (the lease
+    proves it; the last walk's holders are never set against it), or refused, with the
+    holders the last walk named there if they all still run. Anything else (a lease that
+    could not be taken, a refused one the last walk did not name a running holder for, park
+    directories, a device the last walk did not record) makes ``walks`` walk ``/proc`` once,
+    and the rest of the root is judged on that walk as any stream is. What only a walk yields
+    (``uninspected``, ``deleted``) is the last walk's until then. A refused file a walk named
+    nobody for (``ProcWalks.unnamed``: its holder is out of this ``/proc``'s sight) needs no
+    walk, and is judged with no holder, as that walk did. With ``walks`` and a walk of this
+    pass (``walks.fresh``) the stream judges on it and tells ``walks`` which refused files it
+    named nobody for.
     """
 
     def __init__(
@@ -359,6 +381,7 @@ class ScanStream:
         holders: HolderIndex | None = None,
         root_fd: int | None = None,
         now: float | None = None,
+        walks: ProcWalks | None = None,
         **legacy: Unpack[ScanKeywords],
     ) -> None:
         #: ``legacy``: the settings as separate keywords, as ``scan`` takes them.
@@ -382,6 +405,10 @@ class ScanStream:
         self._root_dev = 0
         self._index: HolderIndex | None = None
         self._view: ScannerView | None = None
+        #: Lease-first until this stream walks (None: judged on ``/proc`` as any stream).
+        self._walks = walks if holders is not None and walks is not None and not walks.fresh else None
+        #: Told which refused files a walk named nobody for.
+        self._noting = walks
         #: When the last files were judged (``scan``'s ``scanned_at``).
         self.scanned_at = 0.0
 
@@ -396,7 +423,13 @@ class ScanStream:
             self.lease_enabled = self._lease_off is None
             self._names, self._park_names = list_names(self.root, self.dir_fd, self.options.families)
             self._root_dev = os.fstat(self.dir_fd).st_dev
-            self._cover({self._root_dev})
+            if self._walks is not None and self._given is not None:
+                # The last walk's, for what only a walk yields, until a region needs a walk.
+                self._index = self._given
+                if not self._given.covers({self._root_dev}):
+                    self._walk("new_device")
+            else:
+                self._cover({self._root_dev})
             self._stack = stack.pop_all()
         return self
 
@@ -441,6 +474,63 @@ class ScanStream:
         self._index = collect_holders(self.options.proc_root, devices=wanted)
         self._view = None
 
+    def _walk(self, reason: str, devices: Collection[int] = ()) -> HolderIndex:
+        """The agent's walk for this pass (``ProcWalks.walk``); the rest is judged on it."""
+        walks = self._walks
+        assert walks is not None
+        self._walks = None
+        self._index = walks.walk(reason, {self._root_dev, *devices})
+        self._view = None
+        return self._index
+
+    def _lease_view(self, regions: Sorted, probes: dict[str, Probe], devices: set[int]) -> HolderIndex:
+        """The evidence to judge a chunk by: what the leases answered, or a walk made now.
+
+        Granted files get no holder; refused ones the holders the last walk named there, if
+        every one of them still runs. Where a lease gave no answer, or named nobody we can
+        vouch for, ``/proc`` is walked (``ProcWalks``) and the chunk is judged on that.
+        """
+        walks = self._walks
+        assert walks is not None
+        last = self.index
+        held: dict[FileKey, tuple[Holder, ...]] = {}
+        for group in regions.groups.values():
+            if group.skipped:
+                continue  # skipped whole, on no evidence
+            for m in group.members:
+                answer = probes[m.name]
+                if answer.problem == REMOVED or answer.lease.free:
+                    continue
+                if not answer.lease.held:
+                    return self._walk("no_lease", devices)
+                key = (m.st.st_dev, m.st.st_ino)
+                named = last.holders.get(key, ()) if last.covers((key[0],)) else ()
+                if named and walks.running(named):
+                    held[key] = named
+                elif not named and key in walks.unnamed:
+                    walks.note_unnamed(key)  # as the walk that found it: held out of sight
+                else:
+                    return self._walk("holders_changed", devices)
+        # Nobody can lock a file nobody has open; a refused lease decides before any lock does.
+        return dataclasses.replace(last, holders=held, anonymous_locks=frozenset())
+
+    def _note_unnamed(self, regions: Sorted, probes: dict[str, Probe], index: HolderIndex) -> None:
+        """Tell the agent's ``walks`` the refused files this walk named no holder of, where the walk
+        could miss one (processes it cannot see or read): with every process in sight, such a
+        file was opened after the walk, and the next pass walks to name its holder."""
+        noting = self._noting
+        assert noting is not None
+        view = self._scanner_view()
+        if view.visibility.complete and not view.blind_spots:
+            return
+        for group in regions.groups.values():
+            if group.skipped:
+                continue
+            for m in group.members:
+                key = (m.st.st_dev, m.st.st_ino)
+                if probes[m.name].lease.held and not index.holders.get(key):
+                    noting.note_unnamed(key)
+
     def _scanner_view(self) -> ScannerView:
         if self._view is None:
             options = self.options
@@ -458,6 +548,8 @@ class ScanStream:
         what is named like one but is not a reaper's."""
         if not self._park_names:
             return JudgedParks()
+        if self._walks is not None:
+            self._walk("parks")
         return judge_parks(
             self.root,
             self.dir_fd,
@@ -475,9 +567,14 @@ class ScanStream:
         probe = functools.partial(probe_file, self.dir_fd, lease_off=self._lease_off, euid=self._euid)
         for chunk in chunks(self._names, STREAM_CHUNK_FILES):
             listed = stat_names(self.root, self.dir_fd, chunk)
-            self._cover({item.st.st_dev for item in listed})
+            devices = {item.st.st_dev for item in listed}
+            if self._walks is None:
+                self._cover(devices)
             regions = Sorted.of(listed, self._owners)
             probes = {item.name: probe(item) for item in regions.to_probe()}
+            index = self.index if self._walks is None else self._lease_view(regions, probes, devices)
+            if self._walks is None and self._noting is not None:
+                self._note_unnamed(regions, probes, index)
             when = self._when()
             view = self._scanner_view()
             skipped: dict[tuple[str, str], list[Listed]] = {}
@@ -486,13 +583,13 @@ class ScanStream:
                     skipped.setdefault(item.unit, []).append(item)
             for unit, group in regions.groups.items():
                 entries = [
-                    entry_of(self.root, item, Status.SKIPPED, regions.skipped[item.name], when, self.index)
+                    entry_of(self.root, item, Status.SKIPPED, regions.skipped[item.name], when, index)
                     for item in skipped.get(unit, ())
                 ]
                 if self._host is None:
                     self._host = Host.of(self.options.proc_root)
                 entries += _judge_group(
-                    self.root, group, probes, self.index, view, when, self.options.grace_s, self._host
+                    self.root, group, probes, index, view, when, self.options.grace_s, self._host
                 )
                 if entries:
                     entries.sort(key=lambda e: (e.segment, e.name))

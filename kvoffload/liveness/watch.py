@@ -12,6 +12,10 @@ Invariants:
   is judged on a ``/proc`` pass of its own, made at its turn, and a region goes only if this
   judgement finds it orphaned with the same files again; the removal is ``reap``'s, which
   locks each region and proves it dead once more under its lease before it unlinks.
+* Steady passes are lease-first (``walks``, docs/fleet.md): a region whose files' write
+  leases all answer is judged without ``/proc``, with the same verdict, reason and numbers a
+  walk would give; ``/proc`` is walked at most once a pass for what a lease cannot answer, and
+  every ``walk_every`` passes, so what only a walk yields is at most that many passes old.
 * Memory does not grow with files or roots (docs/agent-memory.md). A root is judged a region
   at a time (``ScanStream``) and removed in batches as the judgement goes; what a pass keeps
   of a root is numbers (``RootScan``), and what the next pass needs is one bytes key per
@@ -90,7 +94,7 @@ from kvoffload.liveness.events import (
     RootVanished,
     Usage,
 )
-from kvoffload.liveness.holders import HolderIndex, collect_holders
+from kvoffload.liveness.holders import HolderIndex
 from kvoffload.liveness.listing import uids_text
 from kvoffload.liveness.park import UntrustedPark
 from kvoffload.liveness.report import ScanEntry
@@ -103,6 +107,7 @@ from kvoffload.liveness.roots import (
 )
 from kvoffload.liveness.scan import DEFAULT_ROOT, ScanKeywords, ScanOptions, ScanStream, Status
 from kvoffload.liveness.tally import Tally
+from kvoffload.liveness.walks import DEFAULT_WALK_EVERY, ProcWalks
 from kvoffload.liveness.watch_reap import REMOVAL_BATCH_FILES, RootReaper, by_engine, region_key
 from kvoffload.shm import mounts
 
@@ -111,6 +116,7 @@ __all__ = [
     "DEFAULT_INTERVAL_S",
     "DEFAULT_SCAN",
     "DEFAULT_TOP_ENGINES",
+    "DEFAULT_WALK_EVERY",
     "WatchConfig",
     "Watcher",
 ]
@@ -178,6 +184,9 @@ class WatchConfig:
     any_filesystem: bool
     #: Orphaned engines a root's ``RootScan`` names (the largest); the rest are one sum.
     top_engines: int
+    #: A pass walks ``/proc`` at least every this many passes (``--walk-every``; 1: every
+    #: pass); between, leases decide and the walk-only numbers are the last walk's (``walks``).
+    walk_every: int
 
     def __init__(
         self,
@@ -188,6 +197,7 @@ class WatchConfig:
         scan: ScanOptions | None = None,
         any_filesystem: bool = False,
         top_engines: int = DEFAULT_TOP_ENGINES,
+        walk_every: int = DEFAULT_WALK_EVERY,
         **legacy: Unpack[ScanKeywords],
     ) -> None:
         # A frozen dataclass's own __init__ sets its fields so too.
@@ -197,6 +207,7 @@ class WatchConfig:
         object.__setattr__(self, "scan", ScanOptions.of(scan, legacy, default=DEFAULT_SCAN))
         object.__setattr__(self, "any_filesystem", any_filesystem)
         object.__setattr__(self, "top_engines", top_engines)
+        object.__setattr__(self, "walk_every", walk_every)
         self._check()
 
     def _check(self) -> None:
@@ -210,6 +221,12 @@ class WatchConfig:
             raise ConfigError("--grace", f"must not be negative, got {self.scan.grace_s:g}s")
         if self.top_engines < 0:
             raise ConfigError("--top-engines", f"must not be negative, got {self.top_engines}")
+        if self.walk_every < 1:
+            raise ConfigError(
+                "--walk-every",
+                f"must be at least 1, got {self.walk_every}",
+                fix="pass --walk-every 1 to walk every pass",
+            )
         if self.scan.all_users and os.geteuid() != 0:
             raise ConfigError(
                 "--all-users",
@@ -296,7 +313,8 @@ class Watcher:
             pattern.fixed: pattern.target for pattern in self._patterns if pattern.target != pattern.fixed
         }
         self.passes = 0
-        self._holders: HolderIndex | None = None
+        #: The last ``/proc`` walk, kept across passes, and this pass's (``walks``).
+        self.walks = ProcWalks(config.scan.proc_root, every=config.walk_every, clock=clock)
         #: Whose regions may be removed: the agent's uid's, or (``all_users``) everyone's.
         self._remover = None if config.scan.all_users else os.geteuid()
 
@@ -354,9 +372,9 @@ class Watcher:
                     self._emit(RootAppeared(self._clock(), m.path, state.pod_uid))
             results: list[RootPass] = []
             stopped = False
-            # One /proc pass for every root: a node with 100 pod volumes reads each process once a
-            # pass, not once a root. Each root's scan checks that it covers its files' devices.
-            self._holders = self._pass_holders(matched)
+            # At most one /proc walk for every root: a node with 100 pod volumes reads each process
+            # once a pass, not once a root, and in a steady pass not at all (leases decide).
+            self._begin_walks(matched)
             for m in matched:
                 if self._should_stop():
                     stopped = True
@@ -366,8 +384,8 @@ class Watcher:
                     vanished.append(m.path)
                 else:
                     results.append(result)
-            self._holders = None  # evidence of this pass only
         seconds = self._monotonic() - started
+        walks = self.walks
         summary = PassSummary(
             self._clock(),
             None,
@@ -377,9 +395,19 @@ class Watcher:
             removed_files=sum(len(r.reaped.removed) for r in results if r.reaped is not None),
             seconds=seconds,
             errors=sum(1 for r in results if r.error is not None),
+            proc_walks=tuple(walks.reasons),
         )
         report = PassReport(
-            self.passes, started_at, seconds, len(matched), tuple(results), tuple(vanished), summary, stopped
+            self.passes,
+            started_at,
+            seconds,
+            len(matched),
+            tuple(results),
+            tuple(vanished),
+            summary,
+            stopped,
+            proc_walks=tuple(walks.reasons),
+            proc_walk_at=walks.last_at,
         )
         if on_pass is not None:
             on_pass(report)
@@ -421,14 +449,29 @@ class Watcher:
                 self._emit(RootNoMatch(self._clock(), None, None, pattern=pattern.text))
         return list(found.values())
 
-    def _pass_holders(self, matched: list[roots.Match]) -> HolderIndex | None:
+    def _begin_walks(self, matched: list[roots.Match]) -> None:
+        """Walk ``/proc`` now if this pass must (its first, every ``walk_every`` passes, without
+        leases, a device the last walk did not record); else its roots are judged lease-first."""
         devices = {m.dev for m in matched if m.dev is not None}
-        if not devices:
+        reason = self.walks.begin(self.passes, devices, use_lease=self.config.scan.use_lease)
+        if reason is None or not devices:
+            return
+        # On an error each root's scan walks /proc itself and reports what fails.
+        with contextlib.suppress(OSError):
+            self.walks.walk(reason)
+
+    def _evidence(self, fresh: bool) -> HolderIndex | None:
+        """The holders a root's stream starts from: this pass's walk, or the last one (the stream
+        is then lease-first), or None (it walks on its own)."""
+        walks = self.walks
+        if fresh:
+            # Nominations: judged on a walk made at this root's turn, whatever the pass has.
+            with contextlib.suppress(OSError):
+                walks.walk("removal")
+            return walks.last if walks.fresh else None
+        if walks.failed or not walks.devices:
             return None
-        try:
-            return collect_holders(self.config.scan.proc_root, devices=devices)
-        except OSError:
-            return None  # each root's scan then walks /proc itself and reports what fails
+        return walks.last
 
     def _watch_root(self, match: roots.Match, bases: dict[roots.Pattern, int]) -> RootPass | None:
         """Scan (and reap) one root; None when it vanished under us."""
@@ -498,7 +541,8 @@ class Watcher:
         untrusted: set[bytes] = set()
         pending: list[tuple[ScanEntry, ...]] = []
         pending_files = 0
-        with ScanStream(root, config.scan, holders=None if fresh else self._holders, root_fd=fd) as stream:
+        holders = self._evidence(fresh)
+        with ScanStream(root, config.scan, holders=holders, root_fd=fd, walks=self.walks) as stream:
             reaper = RootReaper(
                 root,
                 state.pod_uid,

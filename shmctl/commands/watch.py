@@ -106,6 +106,19 @@ def watch(
             help='Roots exported by name (most orphaned bytes first); the rest are folded into root="other".',
         ),
     ] = 100,
+    walk_every: Annotated[
+        int,
+        typer.Option(
+            "--walk-every",
+            min=1,
+            metavar="N",
+            help=(
+                "Walk /proc at least every N passes (1: every pass). Between, write leases judge the "
+                "regions; unlinked-but-mapped bytes, uninspected processes and holders' names are then "
+                "at most N intervals old."
+            ),
+        ),
+    ] = 10,
 ) -> None:
     """Watch every shm root of a node: JSON events on stdout, metrics over HTTP, --reap the dead."""
     import contextlib
@@ -146,6 +159,7 @@ def watch(
         ),
         any_filesystem=any_filesystem,
         top_engines=top_engines,
+        walk_every=walk_every,
     )
     stop = threading.Event()
 

@@ -52,7 +52,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -358,6 +358,17 @@ class Exposition:
             "(one that stops alone is killed by shmctl's lease watchdog within a second). "
             "Absent when unreadable.",
         )
+        self.proc_walks = CounterMetricFamily(
+            "shmctl_proc_walks",
+            "Walks of /proc by shmctl watch since it started, by why (docs/fleet.md): the other "
+            "passes judged every region by its write leases.",
+            labels=["reason"],
+        )
+        self.proc_walk_timestamp = GaugeMetricFamily(
+            "shmctl_proc_walk_timestamp_seconds",
+            "When shmctl watch last walked /proc, in unix seconds: shmctl_unlinked_mapped_bytes, "
+            "shmctl_uninspected_processes and the holders named are as old as this.",
+        )
         self._families: tuple[Metric, ...] = (
             self.build_info,
             self.scan_success,
@@ -383,6 +394,8 @@ class Exposition:
             self.watch_passes,
             self.watch_roots,
             self.lease_break_time,
+            self.proc_walks,
+            self.proc_walk_timestamp,
         )
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -493,6 +506,14 @@ class Exposition:
         self.watch_roots.add_metric([], roots)
         if pass_seconds is not None:
             self.watch_pass_duration.add_metric([], pass_seconds)
+
+    def add_proc_walks(self, counts: Mapping[str, int], last_at: float | None) -> None:
+        """``shmctl_proc_walks_total{reason}`` and ``shmctl_proc_walk_timestamp_seconds`` (absent
+        until a walk was made)."""
+        for reason, n in sorted(counts.items()):
+            self.proc_walks.add_metric([reason], n)
+        if last_at is not None:
+            self.proc_walk_timestamp.add_metric([], last_at)
 
     def add_lease_break_time(self, seconds: float | None) -> None:
         """``shmctl_lease_break_time_seconds`` (``lease.break_time_s()``); nothing when it is None."""

@@ -77,6 +77,9 @@ class WatchMetrics:
         self._roots = 0
         self._pass_seconds: float | None = None
         self._last_pass_done: float | None = None
+        #: ``/proc`` walks by reason since the start, and when the last one was made.
+        self._walks: dict[str, int] = {}
+        self._walk_at: float | None = None
         self.alive = True
 
     def record(self, report: PassReport) -> None:
@@ -101,6 +104,9 @@ class WatchMetrics:
                     self._other_files += files
                     self._other_bytes += freed
                     self._other_conflicts += conflicts
+            for reason in report.proc_walks:
+                self._walks[reason] = self._walks.get(reason, 0) + 1
+            self._walk_at = report.proc_walk_at
             self._passes += 1
             self._roots = report.matched
             self._pass_seconds = report.seconds
@@ -134,6 +140,7 @@ class WatchMetrics:
             exposition.add_watch(
                 up=self.alive, passes=self._passes, roots=self._roots, pass_seconds=self._pass_seconds
             )
+            exposition.add_proc_walks(self._walks, self._walk_at)
             return exposition.text()
 
     def _exported_counters(self) -> ReapCounters:

@@ -65,6 +65,8 @@ WATCH_AGENT_METRICS = frozenset(
         "shmctl_watch_roots",
         "shmctl_build_info",
         "shmctl_lease_break_time_seconds",
+        "shmctl_proc_walks_total",
+        "shmctl_proc_walk_timestamp_seconds",
     }
 )
 #: The evidence needs these and nothing else (the manifest's comments say why each).
