@@ -326,7 +326,8 @@ def test_ctrl_z_in_a_batch_of_leases_stops_it_between_two_leases(root: Path, eng
 def test_a_ctrl_z_deferred_in_a_batch_stops_it_when_the_batch_ends(root: Path, engine_id: str) -> None:
     path = write_file(region_path(root, engine_id))
     with holding(path, "batch-gap") as holder:
-        assert holder.proc.stdin is not None and holder.proc.stdout is not None
+        assert holder.proc.stdin is not None
+        assert holder.proc.stdout is not None
         os.kill(holder.pid, signal.SIGTSTP)
         time.sleep(0.2)
         assert state(holder.pid) != "T"  # deferred since the batch's lease, not lost...
