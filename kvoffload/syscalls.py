@@ -73,16 +73,26 @@ def _raise_errno(what: str | None = None) -> None:
     raise OSError(code, os.strerror(code), what)
 
 
+#: ``renameat2`` from libc once looked up (a reap renames every file it removes twice over:
+#: the lookup's cache key and argument types cost as much as the call).
+_renameat2: Callable[..., int] | None = None
+
+
 def renameat2(old_dir: int, old: str, new_dir: int, new: str, flags: int = RENAME_NOREPLACE) -> None:
     """``renameat2(2)``; ``RENAME_NOREPLACE`` by default: ``EEXIST`` rather than replace a file."""
-    import ctypes
-
-    function = _libc_function(
-        "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
-    )
+    global _renameat2
+    function = _renameat2
     if function is None:
-        raise OSError(errno.ENOSYS, "renameat2 is not in this libc", old)
-    if function(old_dir, os.fsencode(old), new_dir, os.fsencode(new), flags) != 0:
+        import ctypes
+
+        function = _libc_function(
+            "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
+        )
+        if function is None:
+            raise OSError(errno.ENOSYS, "renameat2 is not in this libc", old)
+        _renameat2 = function
+    encoded = os.fsencode(old)
+    if function(old_dir, encoded, new_dir, encoded if new == old else os.fsencode(new), flags) != 0:
         _raise_errno(old)
 
 

@@ -128,8 +128,10 @@ def release(fd: int) -> None:
 
     Closing the fd would drop the lease too, but not the watchdog's mark nor the deferral.
     """
-    with contextlib.suppress(OSError):
+    try:  # noqa: SIM105 - contextlib.suppress costs a microsecond per lease, twice per file
         fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    except OSError:
+        pass  # not held (refused, or the fd is gone): nothing to give back
     watchdog.drop(fd)
 
 
@@ -156,6 +158,12 @@ def leases_enabled(proc_root: Path = procfs.PROC_ROOT) -> bool | None:
         return int((proc_root / "sys" / "fs" / "leases-enable").read_text().strip()) != 0
     except (OSError, ValueError):
         return None
+
+
+def batched() -> contextlib.AbstractContextManager[None]:
+    """Around a run of leases taken one after another (``watchdog.batched``): each is marked
+    for the watchdog as before, and Ctrl-Z is deferred from one to the next, a few ms at most."""
+    return watchdog.batched()
 
 
 def guard_status() -> watchdog.GuardStatus:

@@ -213,8 +213,9 @@ def start(
             os.close(read_end)
             watchdog.adopt()
             done = {}
-            while (run := _claim(claims)) is not None:
-                done[run] = [probe(items[i]) for i in runs[run]]
+            with watchdog.batched():  # one lease after another: Ctrl-Z deferred between them
+                while (run := _claim(claims)) is not None:
+                    done[run] = [probe(items[i]) for i in runs[run]]
             data = pickle.dumps(done, pickle.HIGHEST_PROTOCOL)
             view = memoryview(data)
             while view:

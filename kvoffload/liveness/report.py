@@ -232,9 +232,11 @@ def entry_of(
     probe: Probe | None = None,
     decided_by: Evidence = Evidence.FILE,
     removable_in_s: float | None = None,
+    changed_age_s: float | None = None,
 ) -> ScanEntry:
     """The entry of a listed file: what its ``lstat`` and its probe said, and the verdict
-    (``removable_in_s``: the region's, when it is ``starting``)."""
+    (``removable_in_s``: the region's, when it is ``starting``). ``changed_age_s`` is
+    ``changed_s(item.st, when)`` where the caller computed it already."""
     st = item.st
     regular = stat.S_ISREG(st.st_mode)
     answer = probe.lease if probe is not None else LeaseProbe(None, "not probed (skipped)")
@@ -251,7 +253,7 @@ def entry_of(
         uid=st.st_uid,
         age_s=mtime_age_s(st, when),
         mtime_ns=st.st_mtime_ns,
-        changed_age_s=changed_s(st, when),
+        changed_age_s=changed_s(st, when) if changed_age_s is None else changed_age_s,
         ctime_ns=st.st_ctime_ns,
         removable_in_s=removable_in_s,
         removable_at=None if removable_in_s is None else when + removable_in_s,

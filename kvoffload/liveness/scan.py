@@ -289,11 +289,14 @@ def scan(
         probe = functools.partial(probe_file, dir_fd, lease_off=lease_off, euid=euid)
         if holders is not None and holders.covers(devices):
             index = holders
-            probes = {item.name: probe(item) for item in to_probe}
+            with lease.batched():  # one lease after another: Ctrl-Z deferred from one to the next
+                probes = {item.name: probe(item) for item in to_probe}
         else:
             with prober.start(to_probe, probe, parallel=parallel) as probing:
                 index = collect_holders(proc_root, devices=devices, skip_pids=probing.pids)
-                probes = {item.name: answer for item, answer in zip(to_probe, probing.results(), strict=True)}
+                with lease.batched():
+                    answers = probing.results()
+                probes = {item.name: answer for item, answer in zip(to_probe, answers, strict=True)}
         view = ScannerView(
             index.blind_spots(options.assume_not_holding),
             visibility(proc_root),
@@ -638,32 +641,39 @@ def _judge_group(
         reason = f"another file of this region is skipped ({name}: {why})"
         return [entry_of(root, m, Status.SKIPPED, reason, when, index) for m in group.members]
 
-    members = [m for m in group.members if probes[m.name].problem != REMOVED]
-    if not members:
+    # Each member's probe looked up once, and its age computed once (the verdict's and its
+    # entry's): at 10,000 one-file regions the judging cost more than the probes.
+    probed = [(m, probes[m.name]) for m in group.members]
+    probed = [(m, p) for m, p in probed if p.problem != REMOVED]
+    if not probed:
         return []
-    base = next((m for m in members if m.region.segment == 0), None)
+    members = [m for m, _ in probed]
+    base = None
+    for m in members:
+        if m.region.segment == 0:
+            base = m
+            break
     record = probes[base.name].owner if base is not None else None
     liveness = judge_owner(record, host=host) if record is not None else None
     evidence = []
-    for m in members:
-        probe = probes[m.name]
-        key = (m.st.st_dev, m.st.st_ino)
+    holders = index.holders
+    anonymous = index.anonymous_locks
+    ages = []
+    for m, probe in probed:
+        st = m.st
+        key = (st.st_dev, st.st_ino)
         evidence.append(
             FileEvidence(
-                m.name,
-                index.holders.get(key, ()),
-                probe.lock_held,
-                probe.lease,
-                key in index.anonymous_locks,
-                probe.problem,
+                m.name, holders.get(key, ()), probe.lock_held, probe.lease, key in anonymous, probe.problem
             )
         )
+        ages.append(changed_s(st, when))
     verdict = decide(
         evidence,
         view,
         owner=liveness,
         base_empty=base is not None and base.st.st_size == 0,
-        age=min(changed_s(m.st, when) for m in members),
+        age=min(ages),
         grace_s=grace_s,
     )
     reason = verdict.reason
@@ -683,11 +693,12 @@ def _judge_group(
             when,
             index,
             owner=owner if m is base else None,
-            probe=probes[m.name],
+            probe=probe,
             decided_by=verdict.decided_by,
             removable_in_s=verdict.removable_in_s,
+            changed_age_s=age,
         )
-        for m in members
+        for (m, probe), age in zip(probed, ages, strict=True)
     ]
 
 

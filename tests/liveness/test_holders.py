@@ -155,6 +155,29 @@ def test_parse_maps_on_given_devices_finds_what_reading_every_line_finds(devices
     assert set(fast[1]) == {(os.makedev(0, 0x1B), 9), (os.makedev(0xFD, 1), 12)}
 
 
+#: Past two wanted devices only those whose minor a maps line of a file shows are looked for:
+#: minors shared across majors, a minor in a name (``:1b 3``), and devices absent from the text.
+MANY_DEVICE_SETS = {
+    "same minor, other majors": [(0, 0x1B), (1, 0x1B), (0xFD, 0x1B), (0x103, 0x1B)],
+    "every device of the text": [(0, 0x1B), (0, 0x1B0), (0xFD, 1), (0x103, 2)],
+    "a hundred pod volumes": [(0, minor) for minor in range(0x100, 0x164)] + [(0xFD, 1)],
+    "none of the text": [(0, minor) for minor in range(0x200, 0x210)],
+}
+
+
+@pytest.mark.parametrize("devices", list(MANY_DEVICE_SETS.values()), ids=list(MANY_DEVICE_SETS))
+def test_parse_maps_on_many_devices_finds_what_reading_every_line_finds(
+    devices: list[tuple[int, int]],
+) -> None:
+    wanted_devices = {os.makedev(*d) for d in devices}
+    text = MAPS_OF_MANY_DEVICES + "\n7f0000900000-7f0000901000 r--p 00000000 fd:01 13 /data/a:1b 3 :1b0 5\n"
+
+    def wanted(key: tuple[int, int]) -> bool:
+        return key[0] in wanted_devices
+
+    assert parse_maps(text, wanted, devices=wanted_devices) == parse_maps(text, wanted)
+
+
 def test_parse_locks_reads_granted_locks_and_skips_waiters() -> None:
     text = (
         "1: FLOCK  ADVISORY  WRITE 1234 00:1b:5678 0 EOF\n"

@@ -55,6 +55,27 @@ with lease.sigio_ignored():
             while time.perf_counter() < end:
                 pass
             lease.release(fd)
+    if how == "batch":  # a batch of leases (a reap's): take, 2 ms busy, release, 0.5 ms busy, again
+        print("held", watchdog.status().watchdog_pid, os.getpgrp(), flush=True)
+        with lease.batched():
+            while True:
+                assert lease.take(fd, me, me).free
+                end = time.perf_counter() + 0.002
+                while time.perf_counter() < end:
+                    pass
+                lease.release(fd)
+                end = time.perf_counter() + 0.0005
+                while time.perf_counter() < end:
+                    pass
+    if how == "batch-gap":  # one lease of a batch, then a gap inside the batch until a line comes
+        with lease.batched():
+            assert lease.take(fd, me, me).free
+            lease.release(fd)
+            print("held", watchdog.status().watchdog_pid, os.getpgrp(), flush=True)
+            sys.stdin.readline()
+        print("out", flush=True)
+        sys.stdin.read()
+        sys.exit(0)
     assert lease.take(fd, me, me).free
     print("held", watchdog.status().watchdog_pid, os.getpgrp(), flush=True)
     if how == "spin":  # alive, running, never lets go
@@ -287,6 +308,35 @@ def test_ctrl_z_waits_until_the_lease_is_released(root: Path, engine_id: str) ->
         os.kill(holder.pid, signal.SIGCONT)
         assert wait_for_state(holder.pid, "RS") in ("R", "S")
     assert waited < 10 * watchdog.POLL_S
+
+
+def test_ctrl_z_in_a_batch_of_leases_stops_it_between_two_leases(root: Path, engine_id: str) -> None:
+    path = write_file(region_path(root, engine_id))
+    with holding(path, "batch") as holder:  # holds ~80% of the time, stops deferred between leases
+        os.kill(holder.pid, signal.SIGTSTP)
+        assert wait_for_state(holder.pid, "T") == "T"
+        waited = timed_open_close(path)
+        # Stopped between two leases, none held: nothing to break, nobody killed.
+        assert state(holder.pid) == "T"
+        os.kill(holder.pid, signal.SIGCONT)
+        assert wait_for_state(holder.pid, "RS") in ("R", "S")
+    assert waited < 10 * watchdog.POLL_S
+
+
+def test_a_ctrl_z_deferred_in_a_batch_stops_it_when_the_batch_ends(root: Path, engine_id: str) -> None:
+    path = write_file(region_path(root, engine_id))
+    with holding(path, "batch-gap") as holder:
+        assert holder.proc.stdin is not None
+        assert holder.proc.stdout is not None
+        os.kill(holder.pid, signal.SIGTSTP)
+        time.sleep(0.2)
+        assert state(holder.pid) != "T"  # deferred since the batch's lease, not lost...
+        holder.proc.stdin.write("end the batch\n")
+        holder.proc.stdin.flush()
+        assert wait_for_state(holder.pid, "T") == "T"  # ...and delivered as the batch ends
+        assert timed_open_close(path) < 10 * watchdog.POLL_S
+        os.kill(holder.pid, signal.SIGCONT)
+        assert holder.proc.stdout.readline() == "out\n"
 
 
 # ---------------------------------------------------------------------------------------
