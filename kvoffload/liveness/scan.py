@@ -574,7 +574,8 @@ class ScanStream:
             if self._walks is None:
                 self._cover(devices)
             regions = Sorted.of(listed, self._owners)
-            probes = {item.name: probe(item) for item in regions.to_probe()}
+            with lease.batched():  # one lease after another: Ctrl-Z deferred from one to the next
+                probes = {item.name: probe(item) for item in regions.to_probe()}
             index = self.index if self._walks is None else self._lease_view(regions, probes, devices)
             if self._walks is None and self._noting is not None:
                 self._note_unnamed(regions, probes, index)
