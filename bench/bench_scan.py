@@ -25,6 +25,12 @@ scan is wrong fails. shmctl's own bytecode is compiled first, as an installed pa
 (pip compiles it at install time; an editable checkout under PYTHONDONTWRITEBYTECODE would
 otherwise compile every module on every start).
 
+The floor, measured in the same run on the same files: the syscalls the scan makes for each
+file (``PROBE_SYSCALLS``: the listing's lstat and the probe, as ``strace -f`` shows them),
+issued back to back from this process with no logic between them; the ``/proc`` walk alone
+(``collect_holders`` for the files' device, in this process); and ``python -c pass``. No scan
+with these verdicts can cost less than the three together.
+
 Where the time went is printed after the table (``profile:`` lines, kept by ``make bench``):
 the imports of an empty-root scan by their own time, and cProfile's top functions of one
 10,000-file scan with its JSON, run in this process.
@@ -276,6 +282,69 @@ def agreement(tool: str, stdout: str, held: set[str]) -> bool:
     return len(stdout.split()) == len(held)  # fuser: one pid per held file on stdout
 
 
+#: What ``strace -f shmctl scan`` shows for each file (2026-12-06): the listing's lstat; the
+#: probe's open, fstat, owner xattr, the write lease taken, checked and given back, close.
+PROBE_SYSCALLS = 9
+
+
+def probe_floor_s(paths: Sequence[Path]) -> float:
+    """Seconds to issue, back to back, the syscalls a scan makes for each of ``paths``."""
+    import fcntl
+
+    setlease, getlease = fcntl.F_SETLEASE, fcntl.F_GETLEASE
+    flags = os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    dir_fd = os.open(paths[0].parent, os.O_RDONLY | os.O_DIRECTORY)
+    names = [p.name for p in paths]
+    try:
+        start = time.perf_counter()
+        for name in names:
+            os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            fd = os.open(name, flags, dir_fd=dir_fd)
+            os.fstat(fd)
+            with contextlib.suppress(OSError):
+                os.getxattr(fd, "user.kvoffload.owner")
+            with contextlib.suppress(OSError):  # refused (EAGAIN) where a holder has it
+                fcntl.fcntl(fd, setlease, fcntl.F_WRLCK)
+                fcntl.fcntl(fd, getlease)
+                fcntl.fcntl(fd, setlease, fcntl.F_WRLCK)
+                fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
+            os.close(fd)
+        return time.perf_counter() - start
+    finally:
+        os.close(dir_fd)
+
+
+def walk_floor_s(root: Path) -> float:
+    """Seconds of one ``/proc`` walk for ``root``'s device, in this process."""
+    from kvoffload.liveness.holders import collect_holders
+
+    start = time.perf_counter()
+    collect_holders(devices={os.stat(root).st_dev})
+    return time.perf_counter() - start
+
+
+def floor_rows(root: Path, paths: Sequence[Path], setup: str, lsfd: float | None, repeat: int) -> list[Row]:
+    """The scan's floor beside lsfd: its syscalls a file, the /proc walk, the interpreter."""
+    samples: dict[str, list[float]] = {"probe": [], "walk": [], "python": []}
+    for _ in range(repeat):
+        samples["probe"].append(probe_floor_s(paths) * 1e3)
+        samples["walk"].append(walk_floor_s(root) * 1e3)
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        samples["python"].append((time.perf_counter() - start) * 1e3)
+    figures = {
+        "probe": f"floor: the scan's {PROBE_SYSCALLS} syscalls a file alone, back to back {setup}",
+        "walk": f"floor: the /proc walk alone (collect_holders, in-process) {setup}",
+        "python": "floor: the interpreter's start-up (python -c pass)",
+    }
+    if lsfd is None:
+        return [reference(figures[key], "ms", samples[key], 1) for key in figures]
+    return [
+        compared(figures[key], "ms", samples[key], baseline="lsfd, same files", base=lsfd, digits=1)
+        for key in figures
+    ]
+
+
 def scan_rows(
     big: tuple[Path, list[Path], set[str]],
     small: tuple[Path, list[Path], set[str]],
@@ -342,6 +411,7 @@ def scan_rows(
             digits=1,
         )
     )
+    table += floor_rows(root, paths, setup, med.get("lsfd"), repeat)
     return table, notes
 
 
