@@ -1,5 +1,5 @@
-"""The ``shmctl`` console script: one Tab and the completion scripts answered without a CLI
-framework, the rest by shmctl.app.
+"""The ``shmctl`` console script: help, the fixed Tab completions and the completion scripts
+answered without a CLI framework, the rest by shmctl.app.
 
 Shell completion runs shmctl on every Tab. Completing the command word under bash
 (``shmctl sc<Tab>``) needs only the command names, and importing typer alone takes about
@@ -12,6 +12,14 @@ line, no help text); tests compare it with typer's answer for every prefix. Anyt
 and a shell's rc file runs it at every start (``source <(shmctl completion bash)``): it is
 answered here too, with the same bytes as the ``completion`` command. Anything else about it
 (``--help``, a shell it does not know, a write that fails) goes to ``shmctl.app.main``.
+
+``shmctl --help``, ``shmctl CMD --help`` (``-h``, or a bare ``shmctl``), a Tab that lists a
+command's options (``shmctl scan --<Tab>``) and one that completes an option's value from a
+fixed list (``--family``, ``--color``) or from nothing (``--root``, ``--grace``) print what
+typer rendered for them, kept in ``shmctl.answers`` by ``shmctl.prerender``: typer's import and
+the command's build are most of such a run (issue #31). They are printed only while the
+answers' fingerprint matches the sources they were rendered from, and help only at the width
+click renders at 80 columns or more; anything else is typer's to answer, as before.
 """
 
 from __future__ import annotations
@@ -38,6 +46,92 @@ def command_word_completions(environ: os._Environ[str] | dict[str, str]) -> list
     from shmctl.commands import MODULES
 
     return [name for name in MODULES if name.startswith(incomplete)]
+
+
+_HELP_FLAGS = ("--help", "-h")
+
+
+def _columns(environ: os._Environ[str] | dict[str, str]) -> int:
+    """The terminal's columns as click's help formatter reads them (``shutil.get_terminal_size``,
+    whose import alone would cost 4 ms of the answer): COLUMNS if a positive number, else stdout's
+    terminal, else 80."""
+    try:
+        columns = int(environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 80
+        columns = columns or 80
+    return columns
+
+
+def _answers() -> object | None:
+    """``shmctl.answers`` if it is current (rendered from these very sources), else None."""
+    import zlib
+
+    try:
+        from shmctl import answers
+    except ImportError:  # a build that left it out: typer answers everything
+        return None
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    crc = 0
+    try:
+        for source in answers.SOURCES:
+            with open(os.path.join(top, source), "rb") as f:
+                crc = zlib.crc32(f.read(), crc)
+    except OSError:  # sources not installed (bytecode only): nothing to check them against
+        return None
+    return answers if crc == answers.FINGERPRINT else None
+
+
+def prerendered_help(argv: list[str], environ: os._Environ[str] | dict[str, str]) -> str | None:
+    """What ``shmctl --help`` (or ``CMD --help``, ``-h``, a bare ``shmctl``) prints, if kept."""
+    if _COMPLETE_VAR in environ:
+        return None
+    if not argv or (len(argv) == 1 and argv[0] in _HELP_FLAGS):
+        path: tuple[str, ...] = ()
+    elif len(argv) == 2 and argv[1] in _HELP_FLAGS and argv[0] not in _HELP_FLAGS:
+        path = (argv[0],)
+    else:
+        return None
+    # click wraps help at min(columns, 80) - 2: below 80 columns it is another text.
+    if _columns(environ) < 80:
+        return None
+    answers = _answers()
+    return None if answers is None else answers.HELP.get(path)  # type: ignore[attr-defined]
+
+
+def prerendered_completions(environ: os._Environ[str] | dict[str, str]) -> list[str] | None:
+    """A bash completion's answer if it is a kept one: a command's (or the root's) options,
+    ``shmctl scan --<Tab>``, or an option's value from a fixed list, ``shmctl scan --family <Tab>``.
+    """
+    if environ.get(_COMPLETE_VAR) != _BASH:
+        return None
+    line = environ.get("COMP_WORDS", "")
+    if any(c in line for c in "\"'\\"):
+        return None  # quoting: typer splits it as a shell would
+    try:
+        cword = int(environ.get("COMP_CWORD", ""))
+    except ValueError:
+        return None
+    words = line.split()
+    if cword < 1 or len(words) > cword + 1:
+        return None  # words after the cursor: typer's to weigh
+    args = tuple(words[1:cword])
+    incomplete = words[cword] if cword < len(words) else ""
+    if len(args) > 2 or (incomplete.startswith("-") and "=" in incomplete):
+        return None
+    answers = _answers()
+    if answers is None:
+        return None
+    # A word that starts an option lists the options (click does so even after one that takes
+    # a value); any other word is the value of the option before it.
+    table = answers.OPTIONS if incomplete.startswith("-") else answers.VALUES  # type: ignore[attr-defined]
+    kept = table.get(args)
+    return None if kept is None else [item for item in kept if item.startswith(incomplete)]
 
 
 def completion_script(argv: list[str], environ: os._Environ[str] | dict[str, str]) -> str | None:
@@ -68,7 +162,12 @@ def main() -> int:
         return 0
     # A write that failed (a full disk, a read-only fd) goes to shmctl.app, which meets the same
     # error and says so in its one line with the fix.
+    text = prerendered_help(sys.argv[1:], os.environ)
+    if text is not None and _write_stdout(text.encode()):
+        return 0
     names = command_word_completions(os.environ)
+    if names is None:
+        names = prerendered_completions(os.environ)
     if names is not None:
         if sys.stdout is not None:  # None: fd 1 closed, nobody to tell
             try:

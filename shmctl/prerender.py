@@ -1,0 +1,219 @@
+"""Render, through typer, the answers that ``shmctl.launch`` then gives without it.
+
+``shmctl --help`` (and each command's), and the Tab presses that list a command's options or
+complete an option's value from a fixed list, print the same bytes on every run: typer renders
+them from declarations that change only when the code does. Importing typer and building the
+commands costs ~50 ms of such a run's ~80 (issue #31); the answers, rendered once here and kept
+in ``shmctl/answers.py``, cost a dict lookup.
+
+What makes a kept answer safe to print:
+
+* it is exactly what ``shmctl.app.main`` prints for the request (rendered by calling it here);
+* ``answers.FINGERPRINT`` is a checksum of every source file that was imported while rendering
+  (shmctl's and kvoffload's modules, listed in ``answers.SOURCES``); ``shmctl.launch`` checks it
+  before using any answer, so an edit to a command, an option or a help text makes it fall back
+  to typer (correct, only slower) until this module is run again;
+* help is kept for the width click uses at 80 columns or more (``shmctl.launch`` falls back on a
+  narrower terminal, or a ``COLUMNS`` below 80), and value completions only for options whose
+  answer cannot depend on the machine: no completion at all, or one of ``STATIC_COMPLETIONS``.
+
+Run ``python -m shmctl.prerender`` after changing a command's options or help;
+``python -m shmctl.prerender --check`` exits 1 when ``shmctl/answers.py`` is stale (a test runs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: The help requests kept: the root's and each command's, as the operator types them.
+HELP_FLAGS = ("--help", "-h")
+
+#: Autocompletion functions whose answer is a prefix filter of a fixed list, by qualified name.
+STATIC_COMPLETIONS = frozenset(
+    {
+        "shmctl.options.complete_families",
+        "shmctl.options.complete_presets",
+        "shmctl.app._complete_color",
+    }
+)
+
+#: Where the generated module lives, and the directory its SOURCES are relative to.
+PACKAGE = Path(__file__).resolve().parent
+TOP = PACKAGE.parent
+ANSWERS = PACKAGE / "answers.py"
+#: Not sources of any answer: the reader of the answers, the answers, and this renderer.
+NOT_SOURCES = frozenset({"shmctl/launch.py", "shmctl/answers.py", "shmctl/prerender.py"})
+
+
+def fingerprint(top: str, sources: tuple[str, ...]) -> int:
+    """CRC-32 of the sources' contents, in order (``shmctl.launch`` computes the same)."""
+    crc = 0
+    for source in sources:
+        with open(os.path.join(top, source), "rb") as f:
+            crc = zlib.crc32(f.read(), crc)
+    return crc
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _typers_answer(argv: list[str], **environ: str) -> str:
+    """What ``shmctl.app.main(argv)`` prints on stdout at 80 columns; its exit status must be 0."""
+    from shmctl.app import main
+
+    out = io.StringIO()
+    with _environment(COLUMNS="80", LINES="24", **environ), contextlib.redirect_stdout(out):
+        code = main(argv)
+    if code != 0:
+        raise RuntimeError(f"shmctl {' '.join(argv)} exited {code} while rendering")
+    return out.getvalue()
+
+
+def complete(words: str, cword: int) -> list[str]:
+    """Typer's bash answer for ``COMP_WORDS=words COMP_CWORD=cword``, one item a line."""
+    text = _typers_answer([], _SHMCTL_COMPLETE="complete_bash", COMP_WORDS=words, COMP_CWORD=str(cword))
+    return text.removesuffix("\n").split("\n") if text != "\n" else []
+
+
+def _functions_in(function: Any, seen: set[int] | None = None) -> Iterator[Any]:
+    """``function`` and every function its closures hold (typer wraps an autocompletion twice)."""
+    seen = set() if seen is None else seen
+    if not callable(function) or id(function) in seen:
+        return
+    seen.add(id(function))
+    yield function
+    for cell in getattr(function, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            yield from _functions_in(cell.cell_contents, seen)
+
+
+def _static_completion(param: Any) -> bool:
+    """Whether ``param``'s value completion is the same on every machine and every run."""
+    custom = getattr(param, "_custom_shell_complete", None)
+    if custom is None:
+        # No autocompletion: the type's own. ParamType's base answers nothing; Path, File and
+        # Choice answer something (the word typed, or choices): left to typer.
+        from typer import _click
+
+        base = _click.types.ParamType.shell_complete
+        return getattr(type(param.type), "shell_complete", None) is base
+    names = {f"{f.__module__}.{f.__qualname__}" for f in _functions_in(custom) if hasattr(f, "__qualname__")}
+    return bool(names & STATIC_COMPLETIONS)
+
+
+def _help_flags_in_order(names: list[str]) -> tuple[str, ...]:
+    """``names`` with -h before --help: typer lists the two in either order from run to run
+    (both orders are its answer), and a kept answer must not change with the run."""
+    flags = iter(flag for flag in HELP_FLAGS[::-1] if flag in names)
+    return tuple(next(flags) if name in HELP_FLAGS else name for name in names)
+
+
+def render() -> dict[str, Any]:
+    """Every kept answer, rendered by typer, and the fingerprint of what they were rendered from."""
+    import typer.main
+
+    from shmctl import commands
+    from shmctl.app import app
+
+    root = typer.main.get_command(app)
+    ctx = root.make_context("shmctl", [], resilient_parsing=True)
+    help_texts: dict[tuple[str, ...], str] = {(): _typers_answer(["--help"])}
+    options: dict[tuple[str, ...], tuple[str, ...]] = {}
+    values: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for name in [None, *commands.MODULES]:
+        path = () if name is None else (name,)
+        command = root if name is None else root.get_command(ctx, name)  # type: ignore[attr-defined]
+        if name is not None:
+            help_texts[path] = _typers_answer([name, "--help"])
+        words = " ".join(("shmctl", *path))
+        options[path] = _help_flags_in_order(complete(f"{words} -", len(path) + 1))
+        params: list[Any] = command.get_params(ctx)
+        for param in params:
+            if param.param_type_name != "option" or param.is_flag or param.hidden or param.count:
+                continue
+            if not _static_completion(param):
+                continue
+            answer = tuple(complete(f"{words} {param.opts[0]} ", len(path) + 2))
+            for opt in (*param.opts, *param.secondary_opts):
+                values[(*path, opt)] = answer
+    sources = tuple(
+        sorted(
+            source
+            for module in list(sys.modules.values())
+            if (file := getattr(module, "__file__", None))
+            and Path(file).resolve().is_relative_to(TOP)
+            and (source := Path(file).resolve().relative_to(TOP).as_posix()).split("/")[0]
+            in ("shmctl", "kvoffload")
+            and source not in NOT_SOURCES
+        )
+    )
+    # Written by shmctl.launch as UTF-8 bytes; click would encode for the locale: ASCII is both.
+    help_texts = {path: text for path, text in help_texts.items() if text.isascii()}
+    return {
+        "SOURCES": sources,
+        "FINGERPRINT": fingerprint(str(TOP), sources),
+        "HELP": help_texts,
+        "OPTIONS": options,
+        "VALUES": values,
+    }
+
+
+def module_text(answers: dict[str, Any]) -> str:
+    """The text of ``shmctl/answers.py`` holding ``answers``."""
+    lines = [
+        '"""What shmctl prints for its --help and fixed Tab completions, rendered by typer.',
+        "",
+        "Generated by ``python -m shmctl.prerender`` (see there): do not edit. shmctl.launch",
+        "prints these only while FINGERPRINT matches SOURCES.",
+        '"""',
+        "",
+        "# ruff: noqa: E501",
+        "# fmt: off",
+        f"SOURCES = {answers['SOURCES']!r}",
+        f"FINGERPRINT = {answers['FINGERPRINT']!r}",
+        "",
+    ]
+    for name in ("HELP", "OPTIONS", "VALUES"):
+        lines.append(f"{name} = {{")
+        lines += [f"    {key!r}: {value!r}," for key, value in answers[name].items()]
+        lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    text = module_text(render())
+    if args == ["--check"]:
+        if ANSWERS.exists() and ANSWERS.read_text() == text:
+            return 0
+        import difflib
+
+        kept = ANSWERS.read_text().splitlines() if ANSWERS.exists() else []
+        changed = [d for d in difflib.unified_diff(kept, text.splitlines(), lineterm="", n=0)][2:12]
+        print(f"{ANSWERS} is stale (fix: run `python -m shmctl.prerender`)", file=sys.stderr)
+        print("\n".join(line[:200] for line in changed), file=sys.stderr)
+        return 1
+    ANSWERS.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

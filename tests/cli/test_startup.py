@@ -1,0 +1,252 @@
+"""The answers shmctl.launch gives without typer are typer's own, byte for byte, or not given.
+
+``shmctl --help``, each command's help and the fixed Tab completions come from
+``shmctl/answers.py`` (rendered by ``shmctl.prerender``). Each is compared here with what
+``shmctl.app.main`` (typer) prints for the same request in the same environment: on a pipe, on
+terminals of several widths, with COLUMNS, NO_COLOR, SHMCTL_ROOT set.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+
+from shmctl import answers, commands, launch, prerender
+
+REPO = Path(__file__).resolve().parents[2]
+THROUGH_TYPER = [sys.executable, "-c", "import sys; from shmctl.app import main; sys.exit(main())"]
+LAUNCH = [sys.executable, "-m", "shmctl"]
+HELP_REQUESTS = [
+    (),
+    ("--help",),
+    ("-h",),
+    *((name, flag) for name in commands.MODULES for flag in ("--help", "-h")),
+]
+
+
+def _environ(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "NO_COLOR", "SHMCTL_ROOT")}
+    return env | extra
+
+
+def _run(
+    argv: list[str], env: dict[str, str], stdout: int | None = subprocess.PIPE, cwd: Path = REPO
+) -> tuple[int, bytes, bytes]:
+    done = subprocess.run(
+        argv, env=env, stdout=stdout, stderr=subprocess.PIPE, cwd=cwd, timeout=60, check=False
+    )
+    return done.returncode, done.stdout or b"", done.stderr
+
+
+def test_the_kept_answers_are_current() -> None:
+    # Stale answers are never printed (the fingerprint), but then every --help pays for typer.
+    done = subprocess.run(
+        [sys.executable, "-m", "shmctl.prerender", "--check"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_every_help_is_kept_for_a_pipe() -> None:
+    for argv in HELP_REQUESTS:
+        assert launch.prerendered_help(list(argv), {}) is not None, argv
+
+
+@pytest.mark.parametrize("argv", HELP_REQUESTS, ids=lambda a: " ".join(a) or "bare")
+def test_help_on_a_pipe_is_typers(argv: tuple[str, ...]) -> None:
+    env = _environ()
+    assert _run([*LAUNCH, *argv], env) == _run([*THROUGH_TYPER, *argv], env)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"COLUMNS": "60"},
+        {"COLUMNS": "79"},
+        {"COLUMNS": "80"},
+        {"COLUMNS": "200"},
+        {"COLUMNS": "wide"},
+        {"COLUMNS": "0"},
+        {"NO_COLOR": "1"},
+        {"SHMCTL_ROOT": "/nonexistent"},
+        {"TERM": "dumb"},
+    ],
+    ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()),
+)
+@pytest.mark.parametrize("argv", [("--help",), ("scan", "--help"), ("reap", "-h")], ids=" ".join)
+def test_help_in_each_environment_is_typers(argv: tuple[str, ...], extra: dict[str, str]) -> None:
+    env = _environ(**extra)
+    assert _run([*LAUNCH, *argv], env) == _run([*THROUGH_TYPER, *argv], env)
+
+
+def _on_a_terminal(argv: list[str], columns: int) -> tuple[int, bytes]:
+    """``argv`` with stdout on a pty ``columns`` wide (COLUMNS unset: the width is the pty's)."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(argv, stdout=follower, stderr=subprocess.DEVNULL, env=_environ(), cwd=REPO)
+    os.close(follower)
+    got = b""
+    try:
+        while select.select([leader], [], [], 30)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        os.close(leader)
+    return proc.wait(30), got
+
+
+@pytest.mark.parametrize("columns", [70, 80, 132])
+def test_help_on_a_terminal_is_typers(columns: int) -> None:
+    for argv in (["--help"], ["scan", "--help"]):
+        assert _on_a_terminal([*LAUNCH, *argv], columns) == _on_a_terminal([*THROUGH_TYPER, *argv], columns)
+
+
+def test_help_narrower_than_80_columns_is_left_to_typer() -> None:
+    assert launch.prerendered_help(["--help"], {"COLUMNS": "79"}) is None
+    assert launch.prerendered_help(["--help"], {"COLUMNS": "80"}) == answers.HELP[()]
+
+
+def _completion_env(words: str, cword: int) -> dict[str, str]:
+    return {"_SHMCTL_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(cword)}
+
+
+def _requests() -> list[tuple[str, int]]:
+    """(COMP_WORDS, COMP_CWORD) of every kept completion, at several prefixes and a miss."""
+    found = []
+    for path, kept in answers.OPTIONS.items():
+        words = " ".join(("shmctl", *path))
+        for prefix in {"-", "--", "-h", "--x", *(o[:3] for o in kept)}:
+            found.append((f"{words} {prefix}", len(path) + 1))
+    for key, kept in answers.VALUES.items():
+        words = " ".join(("shmctl", *key))
+        for prefix in {"", "zz", *(v[:1] for v in kept), *(v[:2] for v in kept)}:
+            found.append((f"{words} {prefix}", len(key) + 1))
+    return sorted(found)
+
+
+def test_every_kept_completion_is_typers() -> None:
+    # typer's answer in this process (shmctl.prerender calls shmctl.app.main), launch's from
+    # its function; the console script's bytes are compared below.
+    for words, cword in _requests():
+        ours = launch.prerendered_completions(_completion_env(words, cword))
+        assert ours is not None, words
+        typers = prerender.complete(words, cword)
+        if "-h" in ours:  # typer lists -h and --help in either order from run to run
+            ours, typers = sorted(ours), sorted(typers)
+        assert ours == typers, words
+
+
+@pytest.mark.parametrize(
+    ("words", "cword"),
+    [
+        ("shmctl scan --", 2),
+        ("shmctl scan --family ", 3),
+        ("shmctl scan --family to", 3),
+        ("shmctl scan --root /tm", 3),
+        ("shmctl --color ", 2),
+        ("shmctl -", 1),
+        ("shmctl reap --engine ", 3),  # the root's engines: typer's to answer
+        ("shmctl scan --root /tmp --", 3),  # --root given: typer leaves it out
+        ("shmctl scan --color=", 2),
+        ("shmctl scan '--fam", 2),
+    ],
+)
+def test_the_console_script_completes_as_typer(words: str, cword: int) -> None:
+    env = _environ(**_completion_env(words, cword))
+    ours, typers = _run(LAUNCH, env), _run(THROUGH_TYPER, env)
+    assert (ours[0], sorted(ours[1].splitlines()), ours[2]) == (
+        typers[0],
+        sorted(typers[1].splitlines()),
+        typers[2],
+    )
+
+
+def test_completions_that_depend_on_the_machine_are_not_kept() -> None:
+    for words, cword in [
+        ("shmctl reap --engine ", 3),
+        ("shmctl init --fail-at ", 3),
+        ("shmctl scan --root /tmp --", 3),
+        ("shmctl scan --color=", 2),
+        ("shmctl scan ", 2),
+    ]:
+        assert launch.prerendered_completions(_completion_env(words, cword)) is None, words
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--help"], {}),
+        (["scan", "--help"], {}),
+        ([], _completion_env("shmctl scan --", 2)),
+        ([], _completion_env("shmctl scan --family ", 3)),
+    ],
+    ids=["help", "scan-help", "options", "values"],
+)
+def test_kept_answers_are_printed_without_typer(argv: list[str], env: dict[str, str]) -> None:
+    probe = (
+        "import os, sys; from shmctl import launch; "
+        f"os.environ.update({env!r}); sys.argv = ['shmctl', *{argv!r}]; "
+        "code = launch.main(); sys.stdout.flush(); "
+        "print(code, sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'kvoffload')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        env=_environ(),
+        cwd=REPO,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.splitlines()[-1] == "0 []"
+
+
+def test_an_edited_source_makes_typer_answer(tmp_path: Path) -> None:
+    # A copy of the tree whose scan help says something else: the kept help no longer matches
+    # its sources, so typer renders the new one.
+    for package in ("shmctl", "kvoffload"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    helptext = tmp_path / "shmctl" / "helptext.py"
+    old = "Which region files are live or orphaned, and why."
+    helptext.write_text(helptext.read_text().replace(old, "Which files are live, edited."))
+    env = _environ(PYTHONPATH=str(tmp_path))
+    code, out, err = _run([sys.executable, "-m", "shmctl", "--help"], env, cwd=tmp_path)
+    assert (code, err) == (0, b"")
+    assert b"Which files are live, edited." in out
+
+
+def test_help_into_a_full_disk_is_typers_one_line() -> None:
+    env = _environ()
+    with open("/dev/full", "wb") as full:
+        ours = _run([*LAUNCH, "--help"], env, stdout=full.fileno())
+        typers = _run([*THROUGH_TYPER, "--help"], env, stdout=full.fileno())
+    assert ours == typers
+    assert ours[0] != 0
+
+
+def test_help_into_a_closed_pipe_is_a_quiet_0() -> None:
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        assert _run([*LAUNCH, "--help"], _environ(), stdout=write) == (0, b"", b"")
+    finally:
+        os.close(write)
