@@ -6,8 +6,8 @@ prints these only while FINGERPRINT matches SOURCES.
 
 # ruff: noqa: E501
 # fmt: off
-SOURCES = ('kvoffload/__init__.py', 'kvoffload/errors.py', 'kvoffload/presets.py', 'kvoffload/shm/__init__.py', 'kvoffload/shm/families.py', 'kvoffload/shm/names.py', 'shmctl/__init__.py', 'shmctl/app.py', 'shmctl/commands/__init__.py', 'shmctl/commands/audit.py', 'shmctl/commands/completion.py', 'shmctl/commands/doctor.py', 'shmctl/commands/faults_cmd.py', 'shmctl/commands/init.py', 'shmctl/commands/man.py', 'shmctl/commands/metrics.py', 'shmctl/commands/reap.py', 'shmctl/commands/scan.py', 'shmctl/commands/watch.py', 'shmctl/completion_scripts.py', 'shmctl/exit.py', 'shmctl/helptext.py', 'shmctl/options.py', 'shmctl/render/__init__.py')
-FINGERPRINT = 3677560824
+SOURCES = ('kvoffload/__init__.py', 'kvoffload/errors.py', 'kvoffload/faults.py', 'kvoffload/presets.py', 'kvoffload/shm/__init__.py', 'kvoffload/shm/families.py', 'kvoffload/shm/names.py', 'shmctl/__init__.py', 'shmctl/app.py', 'shmctl/commands/__init__.py', 'shmctl/commands/audit.py', 'shmctl/commands/completion.py', 'shmctl/commands/doctor.py', 'shmctl/commands/faults_cmd.py', 'shmctl/commands/init.py', 'shmctl/commands/man.py', 'shmctl/commands/metrics.py', 'shmctl/commands/reap.py', 'shmctl/commands/scan.py', 'shmctl/commands/watch.py', 'shmctl/completion_scripts.py', 'shmctl/exit.py', 'shmctl/helptext.py', 'shmctl/options.py', 'shmctl/render/__init__.py')
+FINGERPRINT = 337668174
 
 HELP = {
     (): "Usage: shmctl [OPTIONS] COMMAND [ARGS]...\n\n  Find, explain and safely reap vLLM KV-offload regions in /dev/shm.\n\nOptions:\n  -V, --version              Print shmctl's version and exit.\n  --color auto|always|never  Colour on a terminal (auto), always or never;\n                             NO_COLOR=1 means never. Every command takes it\n                             too.  [default: auto]\n  --install-completion       Install completion for the current shell.\n  --show-completion          Show completion for the current shell, to copy it\n                             or customize the installation.\n  -h, --help                 Show this message and exit.\n\nCommands:\n  scan        Which region files are live or orphaned, and why.\n  reap        Remove only the region files proven dead; dry-run first.\n  init        Rehearse vLLM's offload bring-up: plan, run, inject a fault.\n  faults      List the fault points that init --fail-at accepts.\n  audit       Run a command; fail if it leaves shared memory behind.\n  metrics     Prometheus metrics of a root, on stdout or as a textfile.\n  watch       The node agent: watch every pod's /dev/shm, serve metrics.\n  doctor      Check this node for what shmctl and vLLM's offload need.\n  completion  Print the completion script for bash, zsh or fish.\n  man         Print the man page, shmctl(1), as roff.\n\n  Examples:\n\n    # what is in /dev/shm, and what is dead\n    $ sudo shmctl scan\n    # what reap would remove, with the evidence\n    $ sudo shmctl reap --dry-run\n    # remove only what is proven dead\n    $ sudo shmctl reap --all-users --yes\n    # is this node ready for vLLM's offload and for shmctl\n    $ shmctl doctor\n",
@@ -56,9 +56,13 @@ VALUES = {
     ('init', '--model'): ('llama-3-8b', 'llama-3-70b', 'llama-3.1-405b', 'mistral-7b', 'qwen2.5-7b', 'qwen2.5-72b', 'deepseek-v3'),
     ('init', '--gpu-block-size'): (),
     ('init', '--root'): (),
+    ('init', '--lifetime'): ('kvoffload', 'vllm'),
+    ('init', '--fail-at'): ('validate', 'region.open', 'region.space', 'region.truncate', 'region.mmap', 'region.attach', 'region.populate', 'worker', 'scheduler.region', 'primary', 'secondary', 'secondary.p2p.data', 'secondary.p2p.control', 'secondary.obj.probe', 'secondary.obj.lookup', 'manager', 'cleanup.secondary', 'cleanup.secondary.p2p.control', 'cleanup.secondary.obj.lookup', 'cleanup.primary', 'cleanup.worker', 'cleanup.region'),
+    ('init', '--fail-mode'): ('raise', 'oserror:EFAULT', 'oserror:ENOSPC', 'oserror:EIO', 'crash', 'cleanup-raise'),
     ('init', '--seed'): (),
     ('init', '--assume-not-holding'): (),
     ('init', '--timeout'): (),
+    ('init', '--engine'): ('kvoffload', 'vllm'),
     ('init', '--start-timeout'): (),
     ('init', '--color'): ('auto', 'always', 'never'),
     ('faults', '--color'): ('auto', 'always', 'never'),
@@ -88,6 +92,19 @@ VALUES = {
     ('doctor', '--gpu-block-size'): (),
     ('doctor', '--need'): (),
     ('doctor', '--color'): ('auto', 'always', 'never'),
+    ('completion',): ('bash', 'zsh', 'fish'),
     ('completion', '--color'): ('auto', 'always', 'never'),
     ('man', '--color'): ('auto', 'always', 'never'),
+}
+GIVEN = {
+    'scan': {'--all-users': (3, False, False), '--assume-not-holding': (5, True, True), '--bytes': (10, False, False), '--color': (12, True, False), '--deleted': (8, False, False), '--family': (7, True, True), '--grace': (1, True, False), '--help': (13, False, False), '--json': (2, False, False), '--limit': (9, True, False), '--no-headers': (11, False, False), '--no-lease': (6, False, False), '--own-only': (4, False, False), '--root': (0, True, False), '-h': (13, False, False)},
+    'reap': {'--all-users': (3, False, False), '--any-filesystem': (15, False, False), '--assume-not-holding': (5, True, True), '--bytes': (13, False, False), '--color': (16, True, False), '--dry-run': (8, False, False), '--engine': (10, True, True), '--family': (7, True, True), '--grace': (1, True, False), '--help': (17, False, False), '--json': (2, False, False), '--no-headers': (14, False, False), '--no-lease': (6, False, False), '--older-than': (12, True, False), '--own-only': (4, False, False), '--pid': (11, True, True), '--root': (0, True, False), '--yes': (9, False, False), '-h': (17, False, False), '-n': (8, False, False), '-y': (9, False, False)},
+    'init': {'--assume-not-holding': (18, True, True), '--color': (23, True, False), '--config': (1, True, False), '--dry-run': (9, False, False), '--engine': (20, True, False), '--fail-at': (12, True, True), '--fail-mode': (13, True, True), '--gpu-block-size': (5, True, False), '--help': (24, False, False), '--hold': (11, False, False), '--include-crash': (17, False, False), '--json': (22, False, False), '--kv-bytes-per-block': (3, True, False), '--kv-transfer-config': (0, True, False), '--lifetime': (8, True, False), '--matrix': (16, False, False), '--model': (4, True, False), '--no-replicated-layout': (6, False, False), '--no-roundtrip': (10, False, False), '--rank': (14, True, False), '--replicated-layout': (6, False, False), '--root': (7, True, False), '--roundtrip': (10, False, False), '--seed': (15, True, False), '--start-timeout': (21, True, False), '--timeout': (19, True, False), '--world-size': (2, True, False), '-h': (24, False, False), '-n': (9, False, False)},
+    'faults': {'--color': (2, True, False), '--help': (3, False, False), '--json': (0, False, False), '--no-headers': (1, False, False), '-h': (3, False, False)},
+    'audit': {'--color': (6, True, False), '--help': (7, False, False), '--junit': (3, True, False), '--report': (2, True, False), '--root': (1, True, False), '--settle': (5, True, False), '-h': (7, False, False)},
+    'metrics': {'--all-users': (2, False, False), '--assume-not-holding': (4, True, True), '--color': (9, True, False), '--family': (6, True, True), '--grace': (1, True, False), '--help': (10, False, False), '--no-lease': (5, False, False), '--own-only': (3, False, False), '--root': (0, True, False), '--textfile': (8, True, False), '--top-engines': (7, True, False), '-h': (10, False, False)},
+    'watch': {'--all-users': (8, False, False), '--any-filesystem': (3, False, False), '--assume-not-holding': (10, True, True), '--color': (15, True, False), '--family': (12, True, True), '--grace': (4, True, False), '--help': (16, False, False), '--interval': (1, True, False), '--listen': (5, True, False), '--max-passes': (7, True, False), '--no-lease': (11, False, False), '--once': (6, False, False), '--own-only': (9, False, False), '--reap': (2, False, False), '--root': (0, True, True), '--top-engines': (13, True, False), '--top-roots': (14, True, False), '-h': (16, False, False)},
+    'doctor': {'--color': (9, True, False), '--gpu-block-size': (5, True, False), '--help': (10, False, False), '--json': (8, False, False), '--kv-bytes-per-block': (2, True, False), '--model': (3, True, False), '--need': (6, True, True), '--plan': (1, True, True), '--root': (0, True, False), '--textfile': (7, True, False), '--world-size': (4, True, False), '-h': (10, False, False)},
+    'completion': {'--color': (1, True, False), '--help': (2, False, False), '-h': (2, False, False)},
+    'man': {'--color': (0, True, False), '--help': (1, False, False), '-h': (1, False, False)},
 }

@@ -41,6 +41,11 @@ STATIC_COMPLETIONS = frozenset(
         "shmctl.options.complete_families",
         "shmctl.options.complete_presets",
         "shmctl.app._complete_color",
+        "shmctl.commands.init._complete_points",
+        "shmctl.commands.init._complete_modes",
+        "shmctl.commands.init.complete_lifetimes",
+        "shmctl.commands.init.complete_engines",
+        "shmctl.commands.completion._complete_shell",
     }
 )
 
@@ -126,6 +131,22 @@ def _help_flags_in_order(names: list[str]) -> tuple[str, ...]:
     return tuple(next(flags) if name in HELP_FLAGS else name for name in names)
 
 
+def _option_table(params: list[Any]) -> dict[str, tuple[int, bool, bool]] | None:
+    """Each option name of a command: (its option's index, takes a value, may be repeated), for
+    ``shmctl.launch`` to tell which options the words before the Tab gave (click offers an option
+    given once no more). None where click's parser does more than that emulation knows: a value of
+    several words, an optional value, a counter."""
+    table = {}
+    for index, param in enumerate(params):
+        if param.param_type_name != "option" or param.hidden:
+            continue
+        if param.nargs != 1 or param.count or getattr(param, "_flag_needs_value", False):
+            return None
+        for opt in (*param.opts, *param.secondary_opts):
+            table[opt] = (index, not param.is_flag, bool(param.multiple))
+    return dict(sorted(table.items()))  # the help option lists -h and --help in either order
+
+
 def render() -> dict[str, Any]:
     """Every kept answer, rendered by typer, and the fingerprint of what they were rendered from."""
     import typer.main
@@ -138,6 +159,7 @@ def render() -> dict[str, Any]:
     help_texts: dict[tuple[str, ...], str] = {(): _typers_answer(["--help"])}
     options: dict[tuple[str, ...], tuple[str, ...]] = {}
     values: dict[tuple[str, ...], tuple[str, ...]] = {}
+    given: dict[str, dict[str, tuple[int, bool, bool]]] = {}
     for name in [None, *commands.MODULES]:
         path = () if name is None else (name,)
         command = root if name is None else root.get_command(ctx, name)  # type: ignore[attr-defined]
@@ -146,6 +168,16 @@ def render() -> dict[str, Any]:
         words = " ".join(("shmctl", *path))
         options[path] = _help_flags_in_order(complete(f"{words} -", len(path) + 1))
         params: list[Any] = command.get_params(ctx)
+        if name is not None and (table := _option_table(params)) is not None:
+            given[name] = table
+        arguments = [param for param in params if param.param_type_name == "argument"]
+        if (
+            name is not None
+            and len(arguments) == 1
+            and arguments[0].nargs == 1
+            and _static_completion(arguments[0])
+        ):
+            values[path] = tuple(complete(f"{words} ", len(path) + 1))
         for param in params:
             if param.param_type_name != "option" or param.is_flag or param.hidden or param.count:
                 continue
@@ -173,6 +205,7 @@ def render() -> dict[str, Any]:
         "HELP": help_texts,
         "OPTIONS": options,
         "VALUES": values,
+        "GIVEN": given,
     }
 
 
@@ -191,7 +224,7 @@ def module_text(answers: dict[str, Any]) -> str:
         f"FINGERPRINT = {answers['FINGERPRINT']!r}",
         "",
     ]
-    for name in ("HELP", "OPTIONS", "VALUES"):
+    for name in ("HELP", "OPTIONS", "VALUES", "GIVEN"):
         lines.append(f"{name} = {{")
         lines += [f"    {key!r}: {value!r}," for key, value in answers[name].items()]
         lines.append("}")
