@@ -72,8 +72,18 @@ def _columns(environ: os._Environ[str] | dict[str, str]) -> int:
     return columns
 
 
+def _typer_init() -> str:
+    """The ``typer/__init__.py`` that importing typer would load (the first on sys.path)."""
+    for entry in sys.path:
+        path = os.path.join(entry or os.curdir, "typer", "__init__.py")
+        if os.path.isfile(path):
+            return path
+    return os.devnull  # no typer: shmctl.app will say so; no answer matches this
+
+
 def _answers() -> Any:
-    """``shmctl.answers`` if it is current (rendered from these very sources), else None."""
+    """``shmctl.answers`` if it is current (rendered from these very sources, by the typer that
+    would be imported), else None."""
     import zlib
 
     try:
@@ -83,8 +93,8 @@ def _answers() -> Any:
     top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     crc = 0
     try:
-        for source in answers.SOURCES:
-            with open(os.path.join(top, source), "rb") as f:
+        for path in (*(os.path.join(top, source) for source in answers.SOURCES), _typer_init()):
+            with open(path, "rb") as f:
                 crc = zlib.crc32(f.read(), crc)
     except OSError:  # sources not installed (bytecode only): nothing to check them against
         return None

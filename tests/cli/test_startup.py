@@ -277,6 +277,32 @@ def test_an_edited_source_makes_typer_answer(tmp_path: Path) -> None:
     assert b"Which files are live, edited." in out
 
 
+def test_another_typer_makes_typer_answer(tmp_path: Path) -> None:
+    # vLLM's images carry their own typer: help rendered by another version is not printed.
+    import typer
+
+    shutil.copytree(
+        Path(typer.__file__).parent, tmp_path / "typer", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    init = tmp_path / "typer" / "__init__.py"
+    init.write_text(init.read_text() + "# another release\n")
+    probe = (
+        "import sys; from shmctl import launch; sys.argv = ['shmctl', '--help']; "
+        "code = launch.main(); sys.stdout.flush(); print(code, 'typer' in sys.modules)"
+    )
+    env = _environ(PYTHONPATH=os.pathsep.join((str(tmp_path), str(REPO))))
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.splitlines()[-1] == "0 True"
+
+
 def test_help_into_a_full_disk_is_typers_one_line() -> None:
     env = _environ()
     with open("/dev/full", "wb") as full:
