@@ -5,8 +5,8 @@ Shell completion runs shmctl on every Tab. Completing the command word under bas
 (``shmctl sc<Tab>``) needs only the command names, and importing typer alone takes about
 75 ms of the 100 ms such an answer may cost (on a busy machine, all of it). That case is
 answered here from ``shmctl.commands.MODULES``, in typer's own bash format (one name per
-line, no help text); tests compare it with typer's answer for every prefix. Anything else
-(another shell, an option, a later word, a quoted word) goes to ``shmctl.app.main``, as before.
+line, no help text); tests compare it with typer's answer for every prefix. Another shell, a
+quoted word, or a Tab the answers below do not cover goes to ``shmctl.app.main``, as before.
 
 ``shmctl completion bash`` (or zsh, fish) prints a static text (``shmctl.completion_scripts``),
 and a shell's rc file runs it at every start (``source <(shmctl completion bash)``): it is

@@ -63,7 +63,7 @@ def test_the_kept_answers_are_current() -> None:
 
 def test_every_help_is_kept_for_a_pipe() -> None:
     for argv in HELP_REQUESTS:
-        assert launch.prerendered_help(list(argv), {}) is not None, argv
+        assert launch.prerendered_help(list(argv), {"COLUMNS": "80"}) is not None, argv
 
 
 @pytest.mark.parametrize("argv", HELP_REQUESTS, ids=lambda a: " ".join(a) or "bare")
