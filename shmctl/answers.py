@@ -7,7 +7,7 @@ prints these only while FINGERPRINT matches SOURCES and the typer it would impor
 # ruff: noqa: E501
 # fmt: off
 SOURCES = ('kvoffload/__init__.py', 'kvoffload/errors.py', 'kvoffload/faults.py', 'kvoffload/presets.py', 'kvoffload/shm/__init__.py', 'kvoffload/shm/families.py', 'kvoffload/shm/names.py', 'shmctl/__init__.py', 'shmctl/app.py', 'shmctl/commands/__init__.py', 'shmctl/commands/audit.py', 'shmctl/commands/completion.py', 'shmctl/commands/doctor.py', 'shmctl/commands/faults_cmd.py', 'shmctl/commands/init.py', 'shmctl/commands/man.py', 'shmctl/commands/metrics.py', 'shmctl/commands/reap.py', 'shmctl/commands/scan.py', 'shmctl/commands/watch.py', 'shmctl/completion_scripts.py', 'shmctl/exit.py', 'shmctl/helptext.py', 'shmctl/options.py', 'shmctl/render/__init__.py')
-FINGERPRINT = 404511774
+FINGERPRINT = 2051851449
 
 HELP = {
     (): "Usage: shmctl [OPTIONS] COMMAND [ARGS]...\n\n  Find, explain and safely reap vLLM KV-offload regions in /dev/shm.\n\nOptions:\n  -V, --version              Print shmctl's version and exit.\n  --color auto|always|never  Colour on a terminal (auto), always or never;\n                             NO_COLOR=1 means never. Every command takes it\n                             too.  [default: auto]\n  --install-completion       Install completion for the current shell.\n  --show-completion          Show completion for the current shell, to copy it\n                             or customize the installation.\n  -h, --help                 Show this message and exit.\n\nCommands:\n  scan        Which region files are live or orphaned, and why.\n  reap        Remove only the region files proven dead; dry-run first.\n  init        Rehearse vLLM's offload bring-up: plan, run, inject a fault.\n  faults      List the fault points that init --fail-at accepts.\n  audit       Run a command; fail if it leaves shared memory behind.\n  metrics     Prometheus metrics of a root, on stdout or as a textfile.\n  watch       The node agent: watch every pod's /dev/shm, serve metrics.\n  doctor      Check this node for what shmctl and vLLM's offload need.\n  completion  Print the completion script for bash, zsh or fish.\n  man         Print the man page, shmctl(1), as roff.\n\n  Examples:\n\n    # what is in /dev/shm, and what is dead\n    $ sudo shmctl scan\n    # what reap would remove, with the evidence\n    $ sudo shmctl reap --dry-run\n    # remove only what is proven dead\n    $ sudo shmctl reap --all-users --yes\n    # is this node ready for vLLM's offload and for shmctl\n    $ shmctl doctor\n",
@@ -107,4 +107,7 @@ GIVEN = {
     'doctor': {'--color': (9, True, False), '--gpu-block-size': (5, True, False), '--help': (10, False, False), '--json': (8, False, False), '--kv-bytes-per-block': (2, True, False), '--model': (3, True, False), '--need': (6, True, True), '--plan': (1, True, True), '--root': (0, True, False), '--textfile': (7, True, False), '--world-size': (4, True, False), '-h': (10, False, False)},
     'completion': {'--color': (1, True, False), '--help': (2, False, False), '-h': (2, False, False)},
     'man': {'--color': (0, True, False), '--help': (1, False, False), '-h': (1, False, False)},
+}
+ENGINES = {
+    ('reap', '--engine'): (('--root',), 'SHMCTL_ROOT', '/dev/shm'),
 }

@@ -147,7 +147,15 @@ def prerendered_completions(environ: os._Environ[str] | dict[str, str]) -> list[
         resolved = _given(args[1:], answers.GIVEN[args[0]])
         if resolved is None:
             return None
-        typing_value_of, used = resolved
+        typing_value_of, used, values = resolved
+        engines = answers.ENGINES.get((args[0], typing_value_of))
+        if engines is not None and not option:
+            # The engine ids of the root these words name, listed as the command's completion does.
+            from kvoffload.shm.names import engine_ids
+
+            root_opts, envvar, default = engines
+            given_root = next((value for o, value in reversed(values) if o in root_opts), None)
+            return engine_ids(given_root or environ.get(envvar) or default, incomplete)
         if option:
             if typing_value_of is not None:
                 return None  # click lists options here, from a parse that stopped short of it
@@ -165,14 +173,16 @@ def prerendered_completions(environ: os._Environ[str] | dict[str, str]) -> list[
 
 def _given(
     words: tuple[str, ...], table: dict[str, tuple[int, bool, bool]]
-) -> tuple[str | None, set[int]] | None:
-    """The option whose value the Tab completes (None: an option or the first argument) and the
-    options ``words`` gave, as click's parser reads a command's words; None where they hold more
-    than options and their values (an argument, ``--``, a short cluster, a value like an option)."""
+) -> tuple[str | None, set[int], list[tuple[str, str]]] | None:
+    """The option whose value the Tab completes (None: an option or the first argument), the
+    options ``words`` gave and the values given, in order, as click's parser reads a command's
+    words; None where they hold more than options and their values (an argument, ``--``, a short
+    cluster, a value like an option)."""
     used: set[int] = set()
+    values: list[tuple[str, str]] = []
     i = 0
     while i < len(words):
-        name, equals, _ = words[i].partition("=") if words[i].startswith("--") else (words[i], "", "")
+        name, equals, value = words[i].partition("=") if words[i].startswith("--") else (words[i], "", "")
         found = table.get(name)
         if found is None:
             return None
@@ -182,12 +192,15 @@ def _given(
         used.add(index)
         if takes_value and not equals:
             if i + 1 == len(words):
-                return name, used
+                return name, used, values
             if words[i + 1].startswith("-"):
                 return None
             i += 1
+            value = words[i]
+        if takes_value:
+            values.append((name, value))
         i += 1
-    return None, used
+    return None, used, values
 
 
 def completion_script(argv: list[str], environ: os._Environ[str] | dict[str, str]) -> str | None:

@@ -51,6 +51,11 @@ STATIC_COMPLETIONS = frozenset(
     }
 )
 
+#: Autocompletion functions that list the engine ids of the command's root
+#: (``kvoffload.shm.names.engine_ids``): shmctl.launch lists them itself, from the root the words
+#: before the Tab give (or the root option's environment variable, or its default).
+ENGINE_COMPLETIONS = frozenset({"shmctl.commands.reap._complete_engines"})
+
 #: Where the generated module lives, and the directory its SOURCES are relative to.
 PACKAGE = Path(__file__).resolve().parent
 TOP = PACKAGE.parent
@@ -113,6 +118,12 @@ def _functions_in(function: Any, seen: set[int] | None = None) -> Iterator[Any]:
             yield from _functions_in(cell.cell_contents, seen)
 
 
+def _completion_names(param: Any) -> set[str]:
+    custom = getattr(param, "_custom_shell_complete", None)
+    functions = _functions_in(custom) if custom is not None else iter(())
+    return {f"{f.__module__}.{f.__qualname__}" for f in functions if hasattr(f, "__qualname__")}
+
+
 def _static_completion(param: Any) -> bool:
     """Whether ``param``'s value completion is the same on every machine and every run."""
     custom = getattr(param, "_custom_shell_complete", None)
@@ -123,8 +134,7 @@ def _static_completion(param: Any) -> bool:
 
         base = _click.types.ParamType.shell_complete
         return getattr(type(param.type), "shell_complete", None) is base
-    names = {f"{f.__module__}.{f.__qualname__}" for f in _functions_in(custom) if hasattr(f, "__qualname__")}
-    return bool(names & STATIC_COMPLETIONS)
+    return bool(_completion_names(param) & STATIC_COMPLETIONS)
 
 
 def _help_flags_in_order(names: list[str]) -> tuple[str, ...]:
@@ -163,6 +173,7 @@ def render() -> dict[str, Any]:
     options: dict[tuple[str, ...], tuple[str, ...]] = {}
     values: dict[tuple[str, ...], tuple[str, ...]] = {}
     given: dict[str, dict[str, tuple[int, bool, bool]]] = {}
+    engines: dict[tuple[str, str], tuple[tuple[str, ...], str, str]] = {}
     for name in [None, *commands.MODULES]:
         path = () if name is None else (name,)
         command = root if name is None else root.get_command(ctx, name)  # type: ignore[attr-defined]
@@ -181,8 +192,18 @@ def render() -> dict[str, Any]:
             and _static_completion(arguments[0])
         ):
             values[path] = tuple(complete(f"{words} ", len(path) + 1))
+        roots = [p for p in params if p.name == "root" and p.param_type_name == "option" and not p.multiple]
         for param in params:
             if param.param_type_name != "option" or param.is_flag or param.hidden or param.count:
+                continue
+            if name is not None and roots and _completion_names(param) & ENGINE_COMPLETIONS:
+                (root_param,) = roots
+                for opt in param.opts:
+                    engines[(name, opt)] = (
+                        tuple(root_param.opts),
+                        root_param.envvar,
+                        str(root_param.default),
+                    )
                 continue
             if not _static_completion(param):
                 continue
@@ -209,6 +230,7 @@ def render() -> dict[str, Any]:
         "OPTIONS": options,
         "VALUES": values,
         "GIVEN": given,
+        "ENGINES": engines,
     }
 
 
@@ -227,7 +249,7 @@ def module_text(answers: dict[str, Any]) -> str:
         f"FINGERPRINT = {answers['FINGERPRINT']!r}",
         "",
     ]
-    for name in ("HELP", "OPTIONS", "VALUES", "GIVEN"):
+    for name in ("HELP", "OPTIONS", "VALUES", "GIVEN", "ENGINES"):
         lines.append(f"{name} = {{")
         lines += [f"    {key!r}: {value!r}," for key, value in answers[name].items()]
         lines.append("}")

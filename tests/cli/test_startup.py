@@ -182,6 +182,29 @@ def test_options_already_given_are_left_out_as_typer_leaves_them() -> None:
         assert ours == typers, words
 
 
+def test_engine_ids_are_listed_from_the_root_the_words_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("vllm_offload_abc-1.mmap", "vllm_offload_abc-1.mmap.1", "vllm_offload_abd-2.mmap", "other"):
+        (tmp_path / name).touch()
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("SHMCTL_ROOT", str(tmp_path))
+    for words in (
+        "shmctl reap --engine ",
+        "shmctl reap --engine ab",
+        f"shmctl reap --root {tmp_path} --engine a",
+        f"shmctl reap --root={tmp_path} --json --engine ",
+        f"shmctl reap --root {tmp_path}/empty --engine ",
+        f"shmctl reap --root {tmp_path}/empty --root {tmp_path} --engine ",
+        "shmctl reap --root /nonexistent --engine ",
+        "shmctl reap --engine abc-1 --engine ",
+    ):
+        cword = len(words.split()) - (0 if words.endswith(" ") else 1)
+        ours = launch.prerendered_completions({**_completion_env(words, cword), "SHMCTL_ROOT": str(tmp_path)})
+        assert ours == prerender.complete(words, cword), words
+    assert launch.prerendered_completions(_completion_env("shmctl reap --engine ", 3)) is not None
+
+
 @pytest.mark.parametrize(
     ("words", "cword"),
     [
@@ -197,7 +220,8 @@ def test_options_already_given_are_left_out_as_typer_leaves_them() -> None:
         ("shmctl scan --root /tm", 3),
         ("shmctl --color ", 2),
         ("shmctl -", 1),
-        ("shmctl reap --engine ", 3),  # the root's engines: typer's to answer
+        ("shmctl reap --engine ", 3),  # the root's engines, listed by shmctl.launch too
+        ("shmctl init --world-size 3 --rank ", 5),  # the ranks of the world size typed: typer's
         ("shmctl scan --grace -", 3),  # a missing value: click's parse stops there
         ("shmctl scan --grace -1 --", 4),
         ("shmctl scan -- --", 3),
@@ -219,8 +243,6 @@ def test_the_console_script_completes_as_typer(words: str, cword: int) -> None:
 
 def test_completions_that_depend_on_the_machine_are_not_kept() -> None:
     for words, cword in [
-        ("shmctl reap --engine ", 3),
-        ("shmctl reap --json --engine ", 4),
         ("shmctl init --world-size 3 --rank ", 5),
         ("shmctl scan --grace -", 3),
         ("shmctl scan --grace -1 --", 4),
@@ -241,15 +263,17 @@ def test_completions_that_depend_on_the_machine_are_not_kept() -> None:
         (["scan", "--help"], {}),
         ([], _completion_env("shmctl scan --", 2)),
         ([], _completion_env("shmctl scan --family ", 3)),
+        ([], _completion_env("shmctl reap --engine ", 3)),
     ],
-    ids=["help", "scan-help", "options", "values"],
+    ids=["help", "scan-help", "options", "values", "engines"],
 )
 def test_kept_answers_are_printed_without_typer(argv: list[str], env: dict[str, str]) -> None:
     probe = (
         "import os, sys; from shmctl import launch; "
         f"os.environ.update({env!r}); sys.argv = ['shmctl', *{argv!r}]; "
         "code = launch.main(); sys.stdout.flush(); "
-        "print(code, sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'kvoffload')))"
+        "print(code, sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('typer', 'rich') or m.startswith('kvoffload.liveness')))"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe],
