@@ -51,6 +51,13 @@ STATIC_COMPLETIONS = frozenset(
     }
 )
 
+#: Value types whose completion answers nothing, whatever is typed: click's base type (strings,
+#: numbers, shmctl's parsers) and typer's own Path (``TyperPath``: typer 0.28 leaves paths to the
+#: shell's own file completion).
+SILENT_TYPES = frozenset(
+    {"typer._click.types.ParamType.shell_complete", "typer.models.TyperPath.shell_complete"}
+)
+
 #: Autocompletion functions that list the engine ids of the command's root
 #: (``kvoffload.shm.names.engine_ids``): shmctl.launch lists them itself, from the root the words
 #: before the Tab give (or the root option's environment variable, or its default).
@@ -128,12 +135,10 @@ def _static_completion(param: Any) -> bool:
     """Whether ``param``'s value completion is the same on every machine and every run."""
     custom = getattr(param, "_custom_shell_complete", None)
     if custom is None:
-        # No autocompletion: the type's own. ParamType's base answers nothing; Path, File and
-        # Choice answer something (the word typed, or choices): left to typer.
-        from typer import _click
-
-        base = _click.types.ParamType.shell_complete
-        return getattr(type(param.type), "shell_complete", None) is base
+        # No autocompletion: the type's own. Click's File, Choice and Path answer something
+        # (the word typed, or choices): left to typer.
+        complete = getattr(type(param.type), "shell_complete", None)
+        return f"{complete.__module__}.{complete.__qualname__}" in SILENT_TYPES if complete else False
     return bool(_completion_names(param) & STATIC_COMPLETIONS)
 
 

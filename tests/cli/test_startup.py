@@ -138,7 +138,7 @@ def _requests() -> list[tuple[str, int]]:
             found.append((f"{words} {prefix}", len(path) + 1))
     for key, kept in answers.VALUES.items():
         words = " ".join(("shmctl", *key))
-        for prefix in {"", "zz", *(v[:1] for v in kept), *(v[:2] for v in kept)}:
+        for prefix in {"", "zz", "/tm", "x/y", *(v[:1] for v in kept), *(v[:2] for v in kept)}:
             found.append((f"{words} {prefix}", len(key) + 1))
     return sorted(found)
 
