@@ -17,7 +17,7 @@ UNITDIR ?= /etc/systemd/system
 SHMCTL  ?= $(shell command -v shmctl)
 SHELL_SCRIPTS := scripts/*.sh deploy/docker/entrypoint.sh .ci/run
 
-.PHONY: venv test check lint typecheck pytest demo bench bench-quick vllm-compat vllm-hosted vllm-engine completions man install-units image clean
+.PHONY: venv test check lint typecheck pytest demo bench bench-quick vllm-compat vllm-hosted vllm-engine completions man answers install-units image clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,11 @@ completions: venv
 # tree); tests/system/test_packaging.py fails when the committed page differs from what this writes.
 man: venv
 	$(BIN)/python scripts/gen_manpage.py -o man/shmctl.1
+
+# What `shmctl --help` and the fixed Tab completions print without importing typer (shmctl/answers.py,
+# see shmctl/prerender.py); tests/cli/test_startup.py fails while it differs from what this writes.
+answers: venv
+	$(BIN)/python -m shmctl.prerender
 
 # Renders ExecStart with the shmctl given (default: the one on PATH); enables nothing.
 install-units:

@@ -11,6 +11,7 @@ Invariant: ``parse(format_name(e, s)) == RegionName(e, s)`` for every valid engi
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,3 +111,16 @@ def parse(name: str) -> RegionName | None:
     if seg >= MAX_SEGMENTS or "/" in engine_id or "\0" in engine_id:
         return None
     return RegionName(engine_id, seg)
+
+
+def engine_ids(root: str | os.PathLike[str], prefix: str = "") -> list[str]:
+    """The engine ids of ``root``'s region files that start with ``prefix``, sorted: what a Tab
+    after ``--engine`` offers. One directory listing; a root that cannot be listed offers none."""
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return []
+    parsed = (parse(entry) for entry in entries)
+    return sorted(
+        {p.engine_id for p in parsed if p is not None and p.segment == 0 and p.engine_id.startswith(prefix)}
+    )

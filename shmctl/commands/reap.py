@@ -34,18 +34,7 @@ def _complete_engines(ctx: typer.Context, incomplete: str) -> list[str]:
     from kvoffload.shm import names
 
     root = ctx.params.get("root") or os.environ.get("SHMCTL_ROOT") or DEFAULT_ROOT
-    try:
-        entries = os.listdir(root)
-    except OSError:
-        return []
-    parsed = (names.parse(entry) for entry in entries)
-    return sorted(
-        {
-            p.engine_id
-            for p in parsed
-            if p is not None and p.segment == 0 and p.engine_id.startswith(incomplete)
-        }
-    )
+    return names.engine_ids(root, incomplete)
 
 
 def reap(
