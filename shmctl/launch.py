@@ -251,4 +251,14 @@ def main() -> int:
 
 
 def run() -> None:
-    sys.exit(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        # Ctrl-C during an answer given here (help, a Tab), or while shmctl.app is imported:
+        # shmctl.app's own handling is not in place yet. Its one line and its exit status.
+        try:  # noqa: SIM105 (contextlib is an import this path does not pay)
+            os.write(2, b"shmctl: error: interrupted\n")
+        except OSError:
+            pass
+        os._exit(130)
+    sys.exit(code)

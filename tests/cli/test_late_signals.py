@@ -58,3 +58,14 @@ def test_a_signal_right_after_a_commands_output_exits_without_a_traceback(signum
     assert done.returncode == 128 + signum
     assert len(done.stderr.splitlines()) <= 1  # at most the "interrupted" line
     assert done.stdout.startswith("{")
+
+
+@needs_strace
+@pytest.mark.parametrize("argv", [("--help",), ("scan", "--help")], ids=" ".join)
+def test_ctrl_c_during_an_answer_given_without_typer_is_one_line(argv: tuple[str, ...]) -> None:
+    """``--help`` is printed by shmctl.launch, before shmctl.app's signal handling exists."""
+    done = signalled_after_write(1, signal.SIGINT, *argv)
+    assert "Traceback" not in done.stderr
+    assert done.returncode == 130
+    assert done.stderr == "shmctl: error: interrupted\n"
+    assert done.stdout.startswith("Usage: shmctl")
