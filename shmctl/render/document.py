@@ -1,0 +1,213 @@
+"""JSON documents and tables written as their rows are produced, never held whole.
+
+``scan --json`` of 100,000 files is a document of about 100 MB; encoded at once, with the report
+it comes from, it held 261 MiB. Here a document is written field by field (``JsonDocument``):
+a report's small fields as ``json_text`` writes them, and a long list a batch at a time, either
+straight to stdout (``scan``'s entries, the one list of its document) or, where several long
+lists are produced together (``reap``'s removed, kept, ...), into an unlinked temporary file per
+list (``JsonSpill``) that is copied out in the document's order at the end. The text is the
+text ``json_text`` writes for the whole document, compact or indented, byte for byte: the same
+encoders, the same escapes (valid UTF-8 for any byte of a name).
+
+A table's rows are sorted and aligned over every row, so they wait too (``RowSpill``): each
+row's cells in a temporary file, and in memory only its sort key and where it lies (about
+250 bytes a row, against about 700 for the row itself).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import IO, Any
+
+from shmctl.render import Column, json_text, printable, write_rows
+
+__all__ = ["JsonDocument", "JsonSpill", "RowSpill", "stdout_bytes"]
+
+
+def stdout_bytes() -> IO[bytes]:
+    """Where JSON bytes go: stdout's binary buffer (UTF-8 whatever the locale), flushed first."""
+    sys.stdout.flush()
+    buffer: IO[bytes] = sys.stdout.buffer
+    return buffer
+
+
+def _temporary() -> IO[bytes]:
+    """An unlinked temporary file (``TMPDIR``, else ``/tmp``): nothing is left behind, even on a kill."""
+    return tempfile.TemporaryFile(prefix="shmctl-")
+
+
+def _array_items(items: Sequence[Any], *, pretty: bool) -> str:
+    """The items of a JSON array as ``json_text`` writes them inside a document's field: the
+    array's text without its brackets (indented, they sit two levels deep)."""
+    text = json_text(list(items), pretty=pretty)
+    if not pretty:
+        return text[1:-1]
+    lines = text.split("\n")[1:-1]
+    return "\n".join(["  " + line for line in lines])
+
+
+class JsonSpill:
+    """One long JSON array of a document, written a batch at a time to an unlinked temporary
+    file, and copied into the document when its turn comes (``JsonDocument.spilled``)."""
+
+    def __init__(self, *, pretty: bool) -> None:
+        self.pretty = pretty
+        self.count = 0
+        self._file: IO[bytes] | None = None
+
+    def add(self, items: Sequence[Any]) -> None:
+        if not items:
+            return
+        if self._file is None:
+            self._file = _temporary()
+        elif self.count:
+            self._file.write(b",\n" if self.pretty else b",")
+        self._file.write(_array_items(items, pretty=self.pretty).encode("utf-8"))
+        self.count += len(items)
+
+    def chunks(self) -> Iterator[bytes]:
+        if self._file is None:
+            return
+        self._file.seek(0)
+        while chunk := self._file.read(1 << 20):
+            yield chunk
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class JsonDocument:
+    """A JSON object written to ``out`` field by field, in the order the fields are given:
+    the text ``json_text`` writes for the whole object (``pretty``: indented by two)."""
+
+    def __init__(self, out: IO[bytes], *, pretty: bool) -> None:
+        self.out = out
+        self.pretty = pretty
+        self._fields = 0
+        self._items = 0
+
+    def _key(self, name: str) -> None:
+        if self.pretty:
+            lead = "{\n" if not self._fields else ",\n"
+            self.out.write(f'{lead}  "{name}": '.encode())
+        else:
+            lead = "{" if not self._fields else ","
+            self.out.write(f'{lead}"{name}":'.encode())
+        self._fields += 1
+
+    def field(self, name: str, value: Any) -> None:
+        self._key(name)
+        text = json_text(value, pretty=self.pretty)
+        if self.pretty:
+            text = text.replace("\n", "\n  ")
+        self.out.write(text.encode("utf-8"))
+
+    def fields(self, document: Any, names: Sequence[str]) -> None:
+        """``names`` of ``document`` (a dataclass), each as ``field`` writes it."""
+        for name in names:
+            self.field(name, getattr(document, name))
+
+    def begin_list(self, name: str) -> None:
+        self._key(name)
+        self.out.write(b"[")
+        self._items = 0
+
+    def items(self, items: Sequence[Any]) -> None:
+        """A batch of the open list's items (``begin_list``)."""
+        if not items:
+            return
+        lead = (b"\n" if not self._items else b",\n") if self.pretty else (b"" if not self._items else b",")
+        self.out.write(lead + _array_items(items, pretty=self.pretty).encode("utf-8"))
+        self._items += len(items)
+
+    def end_list(self) -> None:
+        self.out.write(b"\n  ]" if self.pretty and self._items else b"]")
+
+    def spilled(self, name: str, spill: JsonSpill) -> None:
+        """A list written earlier into ``spill``, copied in as the field ``name``."""
+        self.begin_list(name)
+        if spill.count:
+            self.out.write(b"\n" if self.pretty else b"")
+            for chunk in spill.chunks():
+                self.out.write(chunk)
+            self._items = spill.count
+        self.end_list()
+
+    def close(self) -> None:
+        self.out.write(b"\n}\n" if self.pretty and self._fields else b"}\n")
+        self.out.flush()
+
+
+class RowSpill:
+    """Table rows as they come, written out sorted and aligned once all are in (``write``).
+
+    ``cap`` rows are shown (0: all): with a cap only the ``cap`` best keys are kept (trimmed as
+    they come), and ``hidden`` counts the rest. Cells are escaped as ``write_table`` escapes them.
+    """
+
+    def __init__(self, columns: Sequence[Column], *, cap: int = 0) -> None:
+        self.columns = tuple(columns)
+        self.cap = cap
+        self.rows = 0
+        self.widths = [len(c.header) for c in self.columns]
+        self._keys: list[tuple[Any, ...]] = []
+        self._file: IO[bytes] | None = None
+        self._end = 0
+
+    def add(self, key: tuple[Any, ...], cells: Sequence[str], style: str | None) -> None:
+        """One row: its sort key, its cells (in ``columns`` order) and its first cell's style."""
+        texts = [printable(c, escape_backslash=False) for c in cells]
+        if not self.cap:
+            self.widths = [max(w, len(t)) for w, t in zip(self.widths, texts, strict=True)]
+        if self._file is None:
+            self._file = _temporary()
+        data = "\0".join([style or "", *texts]).encode("utf-8")
+        self._file.write(data)
+        self._keys.append((*key, self._end, len(data)))
+        self._end += len(data)
+        self.rows += 1
+        if self.cap and len(self._keys) > 2 * self.cap + 1024:
+            self._keys.sort()
+            del self._keys[self.cap :]
+
+    @property
+    def hidden(self) -> int:
+        return self.rows - self.shown
+
+    @property
+    def shown(self) -> int:
+        return min(self.rows, self.cap) if self.cap else self.rows
+
+    def _read(self, offset: int, length: int) -> tuple[list[str], list[str | None]]:
+        assert self._file is not None
+        fields = os.pread(self._file.fileno(), length, offset).decode("utf-8").split("\0")
+        return fields[1:], [fields[0] or None] + [None] * (len(fields) - 2)
+
+    def write(self, *, headers: bool, stream: IO[str] | None = None) -> None:
+        """The rows shown, sorted by their keys, under the columns' headers."""
+        if not self.rows:
+            return
+        if self._file is not None:
+            self._file.flush()
+        self._keys.sort()
+        keys = self._keys[: self.shown]
+        widths = self.widths
+        if self.cap:
+            rows = [self._read(k[-2], k[-1]) for k in keys]
+            widths = [max([w] + [len(texts[i]) for texts, _ in rows]) for i, w in enumerate(widths)]
+            write_rows(self.columns, iter(rows), widths, headers=headers, stream=stream)
+            return
+        write_rows(
+            self.columns, (self._read(k[-2], k[-1]) for k in keys), widths, headers=headers, stream=stream
+        )
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._keys = []
