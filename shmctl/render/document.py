@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
@@ -36,6 +35,8 @@ def stdout_bytes() -> IO[bytes]:
 
 def _temporary() -> IO[bytes]:
     """An unlinked temporary file (``TMPDIR``, else ``/tmp``): nothing is left behind, even on a kill."""
+    import tempfile  # only where rows or lists are long enough to wait: a few ms of imports
+
     return tempfile.TemporaryFile(prefix="shmctl-")
 
 
@@ -143,11 +144,18 @@ class JsonDocument:
         self.out.flush()
 
 
+#: Rows a table holds in memory as they are (their texts: about 700 bytes each) before they go
+#: to its temporary file: most tables never touch the disk.
+HELD_ROWS = 8192
+
+
 class RowSpill:
     """Table rows as they come, written out sorted and aligned once all are in (``write``).
 
-    ``cap`` rows are shown (0: all): with a cap only the ``cap`` best keys are kept (trimmed as
-    they come), and ``hidden`` counts the rest. Cells are escaped as ``write_table`` escapes them.
+    ``cap`` rows are shown (0: all): with a cap only the ``cap`` best rows are kept (trimmed as
+    they come), and ``hidden`` counts the rest. Without one, rows past ``HELD_ROWS`` wait in an
+    unlinked temporary file, only their sort keys in memory. Cells are escaped as
+    ``write_table`` escapes them.
     """
 
     def __init__(self, columns: Sequence[Column], *, cap: int = 0) -> None:
@@ -155,6 +163,9 @@ class RowSpill:
         self.cap = cap
         self.rows = 0
         self.widths = [len(c.header) for c in self.columns]
+        #: Rows in memory: (key, the first cell's style, the cells' texts).
+        self._held: list[tuple[tuple[Any, ...], str | None, list[str]]] = []
+        #: Rows in the file: (*key, offset, length).
         self._keys: list[tuple[Any, ...]] = []
         self._file: IO[bytes] | None = None
         self._end = 0
@@ -163,17 +174,30 @@ class RowSpill:
         """One row: its sort key, its cells (in ``columns`` order) and its first cell's style."""
         texts = [printable(c, escape_backslash=False) for c in cells]
         if not self.cap:
-            self.widths = [max(w, len(t)) for w, t in zip(self.widths, texts, strict=True)]
+            widths = self.widths
+            for i, text in enumerate(texts):
+                widths[i] = max(widths[i], len(text))
+        self._held.append((key, style, texts))
+        self.rows += 1
+        if len(self._held) >= HELD_ROWS + self.cap:
+            self._settle()
+
+    def _settle(self) -> None:
+        """The rows held: with a cap, only the best ``cap`` of them stay; else into the file."""
+        if self.cap:
+            self._held.sort(key=_first)
+            del self._held[self.cap :]
+            return
         if self._file is None:
             self._file = _temporary()
-        data = "\0".join([style or "", *texts]).encode("utf-8")
-        self._file.write(data)
-        self._keys.append((*key, self._end, len(data)))
-        self._end += len(data)
-        self.rows += 1
-        if self.cap and len(self._keys) > 2 * self.cap + 1024:
-            self._keys.sort()
-            del self._keys[self.cap :]
+        chunk = []
+        for key, style, texts in self._held:
+            data = "\0".join([style or "", *texts]).encode("utf-8")
+            chunk.append(data)
+            self._keys.append((*key, self._end, len(data)))
+            self._end += len(data)
+        self._file.write(b"".join(chunk))
+        self._held = []
 
     @property
     def hidden(self) -> int:
@@ -186,28 +210,38 @@ class RowSpill:
     def _read(self, offset: int, length: int) -> tuple[list[str], list[str | None]]:
         assert self._file is not None
         fields = os.pread(self._file.fileno(), length, offset).decode("utf-8").split("\0")
-        return fields[1:], [fields[0] or None] + [None] * (len(fields) - 2)
+        return fields[1:], _styles(fields[0] or None, len(fields) - 1)
 
     def write(self, *, headers: bool, stream: IO[str] | None = None) -> None:
         """The rows shown, sorted by their keys, under the columns' headers."""
         if not self.rows:
             return
-        if self._file is not None:
-            self._file.flush()
-        self._keys.sort()
-        keys = self._keys[: self.shown]
-        widths = self.widths
-        if self.cap:
-            rows = [self._read(k[-2], k[-1]) for k in keys]
-            widths = [max([w] + [len(texts[i]) for texts, _ in rows]) for i, w in enumerate(widths)]
-            write_rows(self.columns, iter(rows), widths, headers=headers, stream=stream)
+        if self._file is None:
+            self._held.sort(key=_first)
+            held = self._held[: self.shown]
+            widths = self.widths
+            if self.cap:
+                widths = [max([w] + [len(texts[i]) for _, _, texts in held]) for i, w in enumerate(widths)]
+            rows = ((texts, _styles(style, len(texts))) for _, style, texts in held)
+            write_rows(self.columns, rows, widths, headers=headers, stream=stream)
             return
-        write_rows(
-            self.columns, (self._read(k[-2], k[-1]) for k in keys), widths, headers=headers, stream=stream
-        )
+        self._settle()
+        self._file.flush()
+        self._keys.sort()
+        spilled = (self._read(k[-2], k[-1]) for k in self._keys)
+        write_rows(self.columns, spilled, self.widths, headers=headers, stream=stream)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
         self._keys = []
+        self._held = []
+
+
+def _first(row: tuple[tuple[Any, ...], str | None, list[str]]) -> tuple[Any, ...]:
+    return row[0]
+
+
+def _styles(first: str | None, cells: int) -> list[str | None]:
+    return [first] + [None] * (cells - 1)

@@ -34,7 +34,7 @@ from kvoffload.liveness.scan import ScanOptions, Status, scan
 from shmctl import render
 from shmctl.render import metrics as render_metrics
 from shmctl.render import scan as render_scan
-from shmctl.render.document import JsonDocument
+from shmctl.render.document import HELD_ROWS, JsonDocument, RowSpill
 from tests.support.parks import dead_park
 from tests.support.procs import TEST_TAG, Child, leave_orphan, region_path, write_file
 from tests.support.schemas import validate
@@ -303,3 +303,24 @@ def test_metrics_counted_a_region_at_a_time_are_the_whole_reports_byte_for_byte(
 
     assert new == old
     assert any(line.startswith("shmctl_orphan_engine_bytes{") for line in new)
+
+
+@pytest.mark.parametrize("cap", [0, 3])
+def test_rows_past_what_a_table_holds_come_back_from_its_file_sorted_and_aligned(cap: int) -> None:
+    columns = (render.Column("NAME"), render.Column("SIZE", right=True), render.Column("NOTE"))
+    count = HELD_ROWS * 2 + 5
+    rows = [(f"row-{(i * 7919) % count:06d}", str(i % 977), "x" * (i % 13) + "\t") for i in range(count)]
+    spill = RowSpill(columns, cap=cap)
+    for name, size, note in rows:
+        spill.add((name,), [name, size, note], "bold" if name.endswith("7") else None)
+    out = io.StringIO()
+
+    spill.write(headers=True, stream=out)
+    spill.close()
+
+    ordered = sorted(rows)
+    shown = ordered if cap == 0 else ordered[:cap]
+    expected = io.StringIO()
+    render.write_table(columns, shown, stream=expected)
+    assert out.getvalue() == expected.getvalue()
+    assert (spill.rows, spill.hidden) == (count, count - len(shown))
