@@ -19,18 +19,45 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from shmctl.render import Column, json_text, printable, write_rows
 
-__all__ = ["JsonDocument", "JsonSpill", "RowSpill", "stdout_bytes"]
+__all__ = ["BytesOut", "JsonDocument", "JsonSpill", "RowSpill", "stdout_bytes"]
 
 
-def stdout_bytes() -> IO[bytes]:
-    """Where JSON bytes go: stdout's binary buffer (UTF-8 whatever the locale), flushed first."""
-    sys.stdout.flush()
-    buffer: IO[bytes] = sys.stdout.buffer
-    return buffer
+class BytesOut(Protocol):
+    """Where a document's bytes go."""
+
+    def write(self, data: bytes, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+class _Decoded:
+    """A text stream with no binary buffer (a test's ``StringIO``), taking the UTF-8 bytes."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+
+    def write(self, data: bytes, /) -> int:
+        self.out.write(data.decode("utf-8"))
+        return len(data)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def stdout_bytes() -> BytesOut:
+    """Where JSON bytes go: stdout's binary buffer (UTF-8 whatever the locale: ``write_utf8``'s
+    rule), what the text layer holds flushed first."""
+    out = sys.stdout
+    buffer = getattr(out, "buffer", None)
+    if buffer is None:
+        return _Decoded(out)
+    out.flush()
+    written: BytesOut = buffer
+    return written
 
 
 def _temporary() -> IO[bytes]:
@@ -86,7 +113,7 @@ class JsonDocument:
     """A JSON object written to ``out`` field by field, in the order the fields are given:
     the text ``json_text`` writes for the whole object (``pretty``: indented by two)."""
 
-    def __init__(self, out: IO[bytes], *, pretty: bool) -> None:
+    def __init__(self, out: BytesOut, *, pretty: bool) -> None:
         self.out = out
         self.pretty = pretty
         self._fields = 0

@@ -351,26 +351,37 @@ _JSON_BATCH = 256
 def _scan_json(judged: JudgedRoot, seen: _Seen) -> ScanReport:
     """``scan --json``, the document ``json_text`` writes for the whole report, written as the
     entries come: its fields in the report's order (the summary and what else is counted
-    follow the entries, as they always did)."""
+    follow the entries, as they always did). Nothing is written before the first entries are
+    judged, so a root whose files cannot be judged at all (its entries cannot be ``lstat``ed)
+    is an error line alone, as before."""
     names = [f.name for f in dataclasses.fields(ScanReport)]
     at = names.index("entries")
-    document = JsonDocument(stdout_bytes(), pretty=sys.stdout.isatty())
-    document.fields(judged.head, names[:at])
-    document.begin_list("entries")
+    document: JsonDocument | None = None
     batch: list[ScanEntry] = []
     for entry in judged.entries():
         batch.append(entry)
         if len(batch) >= _JSON_BATCH:
-            seen.add(batch)
-            document.items(batch)
+            document = _write_entries(document, judged, names[:at], batch, seen)
             batch = []
-    seen.add(batch)
-    document.items(batch)
+    document = _write_entries(document, judged, names[:at], batch, seen)
     document.end_list()
     report = judged.report()
     document.fields(report, names[at + 1 :])
     document.close()
     return report
+
+
+def _write_entries(
+    document: JsonDocument | None, judged: JudgedRoot, head: list[str], batch: list[ScanEntry], seen: _Seen
+) -> JsonDocument:
+    """``batch`` into ``document``, begun here (its ``head`` fields) if it was not yet."""
+    if document is None:
+        document = JsonDocument(stdout_bytes(), pretty=sys.stdout.isatty())
+        document.fields(judged.head, head)
+        document.begin_list("entries")
+    seen.add(batch)
+    document.items(batch)
+    return document
 
 
 def _with_family_columns(columns: Sequence[Column], families: Sequence[str]) -> tuple[Column, ...]:
