@@ -38,7 +38,17 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from figures import Row, compared, entry, interrupt_on_signals, private_dir, report, signals_ignored
+from figures import (
+    SHM_PREFIX,
+    TAG_ENV,
+    Row,
+    compared,
+    entry,
+    interrupt_on_signals,
+    private_dir,
+    report,
+    signals_ignored,
+)
 
 MIB = 1024 * 1024
 GOAL_MIB = 100.0
@@ -61,7 +71,7 @@ def private_root(files: int) -> Iterator[Path]:
         with private_dir(Path("/dev/shm"), "memory") as path:
             yield path
         return
-    point = Path(tempfile.mkdtemp(prefix="shmctl-bench-memory-"))
+    point = Path(tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.environ.get(TAG_ENV, '')}memory-"))
     try:
         # Inodes only: a tmpfs's nr_inodes, not its size, is what 100,000 empty files need.
         options = f"size=64m,nr_inodes={files + 1024},mode=0700"
