@@ -18,6 +18,8 @@ hugetlbfs unless the caller says otherwise (``any_filesystem``).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import fnmatch
 import glob
 import os
@@ -25,11 +27,12 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Unpack
+from typing import Protocol, Unpack
 
 from kvoffload.errors import ConfigError, RootError
 from kvoffload.liveness import lease, park
 from kvoffload.liveness.namespace import Visibility
+from kvoffload.liveness.oneshot import WHOLE_BELOW, JudgedRoot
 from kvoffload.liveness.park import UntrustedPark
 from kvoffload.liveness.park.settle import settle_parked
 from kvoffload.liveness.removal import (
@@ -42,19 +45,22 @@ from kvoffload.liveness.removal import (
     remove_regions,
 )
 from kvoffload.liveness.report import SCHEMA_VERSION, ScanEntry, ScanReport, ScanSummary
-from kvoffload.liveness.scan import DEFAULT_ROOT, ScanKeywords, ScanOptions, Status, open_root, scan
+from kvoffload.liveness.scan import DEFAULT_ROOT, ScanKeywords, ScanOptions, Status, open_root
 from kvoffload.shm import mounts
 
 __all__ = [
     "FD_RESERVE",
     "MAX_BATCH_FILES",
     "PARK_SETTLE_S",
+    "STREAMED_FIELDS",
     "Outcome",
     "ReapFilter",
     "ReapReport",
+    "ReapSink",
     "batch_files",
     "reap",
     "reap_command",
+    "reap_into",
     "remove_regions",
     "select",
     "settle_parked",
@@ -184,6 +190,40 @@ def select(
     return tuple(e for group in groups.values() if filters.selects(group) for e in group)
 
 
+class ReapSink(Protocol):
+    """Where ``reap_into`` hands the report's lists of entries (``STREAMED_FIELDS``), a batch
+    at a time, as the reap produces them: a command writes them out instead of holding them."""
+
+    def take(self, field: str, entries: Sequence[ScanEntry]) -> None: ...
+
+
+#: The ``ReapReport`` fields that ``reap_into`` hands to its sink instead of returning. Within
+#: one outcome of the removal they come as ``removed``, ``failed``, ``kept``, ``conflicts``,
+#: ``restored``: a failed entry is also kept, and comes first.
+STREAMED_FIELDS = (
+    "removed",
+    "kept",
+    "unknown",
+    "filtered_out",
+    "parked",
+    "restored",
+    "conflicts",
+    "other_users_left",
+    "failed",
+    "live",
+)
+
+
+class _Collected:
+    """A sink that keeps every list: ``reap``'s whole report."""
+
+    def __init__(self) -> None:
+        self.lists: dict[str, list[ScanEntry]] = {name: [] for name in STREAMED_FIELDS}
+
+    def take(self, field: str, entries: Sequence[ScanEntry]) -> None:
+        self.lists[field].extend(entries)
+
+
 def reap(
     root: Path | str = DEFAULT_ROOT,
     options: ScanOptions | None = None,
@@ -219,14 +259,57 @@ def reap(
     Files are removed only from a tmpfs or hugetlbfs (where regions live, and where a file's
     memory is what the operator wants back); ``any_filesystem`` lifts that.
 
+    The whole report is held (every entry removed or kept); ``reap_into`` hands the lists
+    out as they come instead.
+
     ``legacy``: the scan settings as separate keywords (``grace_s=0``), laid over ``options``;
     kept for one release (issue #29).
     """
-    options = ScanOptions.of(options, legacy)
+    collected = _Collected()
+    report = reap_into(
+        collected,
+        root,
+        ScanOptions.of(options, legacy),
+        filters=filters,
+        dry_run=dry_run,
+        now=now,
+        only=only,
+        should_stop=should_stop,
+        root_fd=root_fd,
+        any_filesystem=any_filesystem,
+    )
+    lists = {name: tuple(entries) for name, entries in collected.lists.items()}
+    return dataclasses.replace(report, **lists)  # type: ignore[arg-type]
+
+
+def reap_into(
+    sink: ReapSink,
+    root: Path | str = DEFAULT_ROOT,
+    options: ScanOptions | None = None,
+    *,
+    filters: ReapFilter = ReapFilter(),
+    dry_run: bool = False,
+    now: float | None = None,
+    only: ReapReport | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    root_fd: int | None = None,
+    any_filesystem: bool = False,
+    whole_below: int = WHOLE_BELOW,
+) -> ReapReport:
+    """``reap``, a region at a time: the root is judged as a stream (``oneshot.JudgedRoot``),
+    each orphaned region the filters choose is removed in a batch as the stream reaches it,
+    and every list of the report (``STREAMED_FIELDS``) goes to ``sink`` as it is produced.
+    The report returned has those lists empty; everything else is ``reap``'s.
+
+    What dead reapers left parked is settled first, before any region is judged, as ``reap``
+    always did. ``whole_below``: see ``oneshot.WHOLE_BELOW``.
+    """
+    options = options if options is not None else ScanOptions()
     with open_root(root, root_fd) as dir_fd:
         if not any_filesystem:
             _require_memory_filesystem(root, dir_fd)
         return _reap_root(
+            sink,
             root,
             dir_fd,
             options,
@@ -235,6 +318,7 @@ def reap(
             now=now,
             only=only,
             should_stop=should_stop,
+            whole_below=whole_below,
         )
 
 
@@ -247,7 +331,84 @@ def _require_memory_filesystem(root: Path | str, dir_fd: int) -> None:
         )
 
 
+class _Unmatched:
+    """``ReapFilter.unmatched`` over entries seen a region at a time."""
+
+    def __init__(self, filters: ReapFilter) -> None:
+        self.filters = filters
+        self._patterns = set(filters.engine_ids)
+        self._pids = set(filters.owner_pids)
+        self._engine = ""
+
+    def see(self, entries: Sequence[ScanEntry]) -> None:
+        for e in entries:
+            if self._patterns and e.engine_id != self._engine:
+                self._engine = e.engine_id
+                self._patterns -= {p for p in self._patterns if fnmatch.fnmatchcase(e.engine_id, p)}
+            if self._pids and e.owner is not None:
+                self._pids.discard(e.owner.pid)
+
+    def result(self) -> tuple[str, ...]:
+        missing = [f"--engine {shell_word(p)}" for p in self.filters.engine_ids if p in self._patterns]
+        missing += [f"--pid {pid}" for pid in self.filters.owner_pids if pid in self._pids]
+        return tuple(missing)
+
+
+class _Confirmed:
+    """What the operator confirmed (an earlier dry run's ``removed``): only it may go, and
+    each file of it is accounted for, removed or kept with why."""
+
+    def __init__(self, plan: ReapReport) -> None:
+        self._plan = {e.name: e for e in plan.removed}
+        self._confirmed = {(e.name, e.identity) for e in plan.removed}
+        self._seen: set[str] = set()
+
+    def narrow(self, region: Sequence[ScanEntry], chosen: list[ScanEntry], done: Outcome) -> list[ScanEntry]:
+        """The files of ``chosen`` the plan named (the same inode); a planned file of ``region``
+        that is not among them is kept with its verdict now."""
+        chosen = [e for e in chosen if (e.name, e.identity) in self._confirmed]
+        going = {(e.name, e.identity) for e in chosen}
+        for current in region:
+            planned = self._plan.get(current.name)
+            if planned is None:
+                continue
+            self._seen.add(current.name)
+            if (current.name, current.identity) in going:
+                continue
+            if current.identity != planned.identity:
+                done.keep(current, Status.UNKNOWN, "the name now refers to another file")
+            else:
+                done.kept.append(current)
+        return chosen
+
+    def gone(self, done: Outcome) -> None:
+        """Planned files no region has any more: removed by someone else."""
+        for name, planned in self._plan.items():
+            if name not in self._seen:
+                done.keep(planned, Status.ORPHANED, GONE)
+
+
+class _Told:
+    """What the reap counts of the lists it hands out: the bytes freed, the parks removed."""
+
+    def __init__(self, sink: ReapSink) -> None:
+        self.sink = sink
+        self.freed = 0
+        self.parks_removed: list[str] = []
+
+    def outcome(self, done: Outcome) -> None:
+        sink = self.sink
+        sink.take("removed", done.removed)
+        sink.take("failed", done.failed)
+        sink.take("kept", done.kept)
+        sink.take("conflicts", [e for e in done.kept if e.status is Status.PARKED])
+        sink.take("restored", done.restored)
+        self.freed += sum(e.resident_bytes for e in done.removed)
+        self.parks_removed.extend(done.parks_removed)
+
+
 def _reap_root(
+    sink: ReapSink,
     root: Path | str,
     dir_fd: int,
     options: ScanOptions,
@@ -257,39 +418,30 @@ def _reap_root(
     now: float | None,
     only: ReapReport | None,
     should_stop: Callable[[], bool] | None,
+    whole_below: int,
 ) -> ReapReport:
-    report = scan(root, options, now=now, root_fd=dir_fd)
     all_users = options.all_users
-    selected = select(report, filters)
-    chosen, theirs = _split_by_owner(selected, None if all_users else os.geteuid())
-    done = Outcome()
-    if only is not None:
-        confirmed = {(e.name, e.identity) for e in only.removed}
-        chosen = tuple(e for e in chosen if (e.name, e.identity) in confirmed)
-        now_chosen = {(e.name, e.identity) for e in chosen}
-        fresh = {e.name: e for e in report.entries if e.parked is None}
-        for e in only.removed:
-            if (e.name, e.identity) in now_chosen:
-                continue
-            current = fresh.get(e.name)
-            if current is None:
-                done.keep(e, Status.ORPHANED, GONE)
-            elif current.identity != e.identity:
-                done.keep(current, Status.UNKNOWN, "the name now refers to another file")
-            else:
-                done.kept.append(current)
-    # What dead reapers left parked: settled first, whatever the filters (a live file must get
-    # its name back at once); only the filters' engines are removed, the rest given back.
-    parked = tuple(e for e in report.entries if e.parked is not None and not e.parked.reaper_running)
-    dead = tuple(p for p in report.parks if p.running is False)
-    if dry_run:
-        done.removed.extend(chosen)
-    else:
-        groups: dict[tuple[str, str], list[ScanEntry]] = {}
-        for e in chosen:
-            groups.setdefault(e.unit, []).append(e)
-        with lease.sigio_ignored(), park.ParkDir(dir_fd, proc_root=options.proc_root) as parking:
+    euid = None if all_users else os.geteuid()
+    told = _Told(sink)
+    unmatched = _Unmatched(filters)
+    confirmed = _Confirmed(only) if only is not None else None
+    with (
+        JudgedRoot(root, options, root_fd=dir_fd, now=now, whole_below=whole_below) as judged,
+        contextlib.ExitStack() as stack,
+    ):
+        unmatched.see(judged.parks.parked)
+        # What dead reapers left parked: settled first, whatever the filters (a live file must
+        # get its name back at once); only the filters' engines are removed, the rest given back.
+        parked = tuple(e for e in judged.parks.parked if e.parked is not None and not e.parked.reaper_running)
+        dead = tuple(p for p in judged.parks.parks if p.running is False)
+        parking: park.ParkDir | None = None
+        if dry_run:
+            sink.take("parked", parked)
+        else:
+            stack.enter_context(lease.sigio_ignored())
+            parking = stack.enter_context(park.ParkDir(dir_fd, proc_root=options.proc_root))
             if dead:
+                done = Outcome()
                 settle_parked(
                     dir_fd,
                     parked,
@@ -298,60 +450,96 @@ def _reap_root(
                     adopter=park.Adopter.of(all_users),
                     remove_engines=filters.matches_engine,
                     remove_others=bool(all_users),
-                    use_lease=report.lease_enabled,
+                    use_lease=judged.lease_enabled,
                     outcome=done,
                 )
-            remove_regions(
-                dir_fd,
-                groups.values(),
-                options.proc_root,
-                options.assume_not_holding,
-                should_stop,
-                parking=parking,
-                outcome=done,
-            )
+                told.outcome(done)
+        # The regions the filters choose go as the stream reaches them, a batch at a time: each
+        # is proven dead again under its lease (``remove_regions``) moments after it was judged.
+        pending: list[list[ScanEntry]] = []
+        pending_files = 0
+        batch = batch_files()
+        for region in judged.regions():
+            unmatched.see(region)
+            chosen = _choose(sink, region, filters, euid)
+            if confirmed is not None:
+                kept_now = Outcome()
+                chosen = confirmed.narrow(region, chosen, kept_now)
+                sink.take("kept", kept_now.kept)
+            if not chosen:
+                continue
+            if parking is None:
+                sink.take("removed", chosen)
+                told.freed += sum(e.resident_bytes for e in chosen)
+                continue
+            pending.append(chosen)
+            pending_files += len(chosen)
+            if pending_files >= batch:
+                told.outcome(_remove(dir_fd, pending, options, should_stop, parking))
+                pending, pending_files, batch = [], 0, batch_files()
+        if pending and parking is not None:
+            told.outcome(_remove(dir_fd, pending, options, should_stop, parking))
+        if confirmed is not None:
+            gone = Outcome()
+            confirmed.gone(gone)
+            sink.take("kept", gone.kept)
+        report = judged.report()
     return ReapReport(
         schema_version=SCHEMA_VERSION,
         root=report.root,
         dry_run=dry_run,
-        removed=tuple(done.removed),
-        kept=tuple(done.kept),
-        freed_bytes=sum(e.resident_bytes for e in done.removed),
+        removed=(),
+        kept=(),
+        freed_bytes=told.freed,
         summary=report.summary,
-        unknown=select(report, filters, Status.UNKNOWN),
         visibility=report.visibility,
         lease_enabled=report.lease_enabled,
-        filtered_out=_left_out(report, selected),
-        unmatched_filters=filters.unmatched(report.entries),
-        other_users_left=theirs,
-        parked=parked if dry_run else (),
-        restored=tuple(done.restored),
-        conflicts=tuple(e for e in done.kept if e.status is Status.PARKED),
+        unmatched_filters=unmatched.result(),
         lease_break_time_s=report.lease_break_time_s,
-        failed=tuple(done.failed),
-        parks_removed=tuple(done.parks_removed),
+        parks_removed=tuple(told.parks_removed),
         untrusted_parks=report.untrusted_parks,
         families=report.families,
-        live=select(report, filters, Status.LIVE),
     )
 
 
-def _split_by_owner(
-    entries: Sequence[ScanEntry], euid: int | None
-) -> tuple[tuple[ScanEntry, ...], tuple[ScanEntry, ...]]:
-    """(the regions this reap may remove, the regions with a file of a uid other than ``euid``);
-    with ``euid`` None (``all_users``), every region is removable."""
+def _choose(
+    sink: ReapSink, region: Sequence[ScanEntry], filters: ReapFilter, euid: int | None
+) -> list[ScanEntry]:
+    """The files of ``region`` this reap may remove: orphaned, chosen by the filters, and (unless
+    ``euid`` is None: ``all_users``) all of ``euid``'s. What the filters leave out, another
+    user's region, and the unknown and live files they chose are handed to ``sink``."""
+    for status, name in ((Status.UNKNOWN, "unknown"), (Status.LIVE, "live")):
+        same = [e for e in region if e.status is status]
+        if same and filters.selects(same):
+            sink.take(name, same)
+    orphaned = [e for e in region if e.status is Status.ORPHANED]
+    if not orphaned:
+        return []
+    if not filters.selects(orphaned):
+        sink.take("filtered_out", orphaned)
+        return []
     # A region goes whole or not at all: one file of another user's keeps all of it.
-    theirs = {e.unit for e in entries if euid is not None and e.uid != euid}
-    return (
-        tuple(e for e in entries if e.unit not in theirs),
-        tuple(e for e in entries if e.unit in theirs),
+    if euid is not None and any(e.uid != euid for e in orphaned):
+        sink.take("other_users_left", orphaned)
+        return []
+    return orphaned
+
+
+def _remove(
+    dir_fd: int,
+    regions: list[list[ScanEntry]],
+    options: ScanOptions,
+    should_stop: Callable[[], bool] | None,
+    parking: park.ParkDir,
+) -> Outcome:
+    return remove_regions(
+        dir_fd,
+        regions,
+        options.proc_root,
+        options.assume_not_holding,
+        should_stop,
+        parking=parking,
     )
-
-
-def _left_out(report: ScanReport, selected: Sequence[ScanEntry]) -> tuple[ScanEntry, ...]:
-    chosen = {e.name for e in selected}
-    return tuple(e for e in report.with_status(Status.ORPHANED) if e.name not in chosen)
 
 
 def reap_command(root: Path, engine_id: str) -> str:

@@ -11,12 +11,33 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from kvoffload.liveness.events import RemovedFile, RootReap, RootScan
 from kvoffload.liveness.report import ScanEntry, ScanSummary
-from kvoffload.liveness.scan import ScanStream, Status
+from kvoffload.liveness.scan import Status
 
-__all__ = ["Tally"]
+if TYPE_CHECKING:
+    from kvoffload.liveness.holders import DeletedMapping, Uninspected
+
+__all__ = ["OTHER_ENGINES", "Judged", "Tally"]
+
+#: The engine id under which an exposition sums the orphaned engines it does not name.
+OTHER_ENGINES = "other"
+
+
+class Judged(Protocol):
+    """What ``Tally.scan`` reads of the scan it counted: a ``ScanStream`` (the agent's), or a
+    ``oneshot.JudgedRoot`` (``shmctl metrics``'s)."""
+
+    @property
+    def scanned_at(self) -> float: ...
+
+    @property
+    def uninspected(self) -> tuple[Uninspected, ...]: ...
+
+    @property
+    def deleted(self) -> tuple[DeletedMapping, ...]: ...
 
 
 class Tally:
@@ -54,7 +75,11 @@ class Tally:
         for status in {e.status for e in entries}:
             self.regions[status] += 1
         self.region_size_max = max(self.region_size_max, size)
-        if orphaned is not None:
+        if orphaned is not None and entries[0].engine_id == OTHER_ENGINES:
+            # The exposition sums the engines it does not name as "other": one really named so
+            # is summed with them, so it must not take a named engine's place here either.
+            self._other += orphaned
+        elif orphaned is not None:
             self._engines.append((-orphaned, entries[0].engine_id))
             if len(self._engines) > 2 * self.top_engines + 64:
                 self._trim()
@@ -74,7 +99,7 @@ class Tally:
             return None
         return RootReap(tuple(self.removed), self.freed, self.restored, self.conflicts)
 
-    def scan(self, root: Path, stream: ScanStream) -> RootScan:
+    def scan(self, root: Path, stream: Judged) -> RootScan:
         self._trim()
         files, resident = self.files, self.resident
         summary = ScanSummary(

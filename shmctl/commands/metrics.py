@@ -57,7 +57,7 @@ def metrics(
     from kvoffload.durations import parse_duration
     from kvoffload.errors import RootError
     from kvoffload.liveness import lease
-    from kvoffload.liveness.scan import scan
+    from kvoffload.liveness.oneshot import count_root
     from shmctl.render import metrics as render
 
     options = scan_options(
@@ -74,14 +74,15 @@ def metrics(
     exposition.add_lease_break_time(lease.break_time_s())
     started = time.monotonic()
     try:
-        report = scan(root, options)
+        # Counted a region at a time: no report of the root's every file is ever held.
+        counted = count_root(root, options, top_engines=top_engines)
         usage = _disk_usage(root)
     except RootError as error:
         carried = None if textfile is None else render.previous_success(textfile, root)
         exposition.add_failure(root, error, attempted_at=time.time(), last_success=carried)
         render.publish(exposition, textfile)
         raise  # the one-line error and exit 3, from shmctl.app
-    exposition.add_scan(report, usage, scan_seconds=time.monotonic() - started)
+    exposition.add_counted(counted, usage, scan_seconds=time.monotonic() - started)
     render.publish(exposition, textfile)
 
 

@@ -93,6 +93,7 @@ def reap(
     from kvoffload.durations import parse_duration
     from kvoffload.errors import ConfigError
     from kvoffload.liveness import reap as library
+    from kvoffload.shm.families import ordered
     from shmctl.exit import ExitStatus
     from shmctl.render import scan as render
 
@@ -117,32 +118,44 @@ def reap(
         family=family,
     )
     run = functools.partial(library.reap, root, options, filters=filters, any_filesystem=any_filesystem)
-    show = functools.partial(
-        render.reap_report,
+    writer = functools.partial(
+        render.ReapWriter,
         json_output=json_output,
+        families=ordered(options.families),
         filters_text=_filters_text(engine, pid, older_than),
         exact_bytes=exact_bytes,
         headers=not no_headers,
     )
-    if yes and not dry_run:
-        # Nothing to show and confirm first: one scan, and each orphan is proven dead again
-        # as it goes. (A plan scan before it doubled the time of a 10,000-file reap.)
-        done = run()
-        show(done)
-        raise typer.Exit(ExitStatus.RUNTIME if done.failed else ExitStatus.OK)
-    plan = run(dry_run=True)
-    if dry_run or not plan.removed:
-        show(plan)
-        raise typer.Exit(ExitStatus.OK)
-    if not yes:
+    plan = None
+    if not (dry_run or yes):
+        plan = run(dry_run=True)  # what the operator confirms: held whole, and shown
+        if not plan.removed:
+            render.reap_report(
+                plan,
+                json_output=json_output,
+                filters_text=_filters_text(engine, pid, older_than),
+                exact_bytes=exact_bytes,
+                headers=not no_headers,
+            )
+            raise typer.Exit(ExitStatus.OK)
         render.reap_preview(plan, exact_bytes=exact_bytes)
         if not typer.confirm(render.confirm_question(plan), default=False, err=True):
             render.reap_declined()
             raise typer.Exit(ExitStatus.OK)
-    # Only what the plan listed (and was confirmed) can go; each item is proven dead again.
-    done = run(only=plan)
-    show(done)
-    raise typer.Exit(ExitStatus.RUNTIME if done.failed else ExitStatus.OK)
+    # One scan, a region at a time; each orphan the filters choose (and, confirmed, only what
+    # the plan listed) is proven dead again as the stream reaches it, and every list of the
+    # report is written out as it comes (a plan scan before it doubled a 10,000-file reap).
+    out = writer(dry_run=dry_run)
+    try:
+        done = library.reap_into(
+            out, root, options, filters=filters, dry_run=dry_run, only=plan, any_filesystem=any_filesystem
+        )
+    except BaseException:
+        out.close()
+        raise
+    out.finish(done)
+    failed = not dry_run and bool(out.lists["failed"].files)
+    raise typer.Exit(ExitStatus.RUNTIME if failed else ExitStatus.OK)
 
 
 def _filters_text(engine: list[str] | None, pid: list[int] | None, older_than: str | None) -> str:

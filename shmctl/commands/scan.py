@@ -4,8 +4,7 @@ Exit status: 0 nothing orphaned, 1 orphans found (or files a dead reap left park
 3 the root cannot be read.
 """
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -23,9 +22,6 @@ from shmctl.options import (
     RootOption,
     scan_options,
 )
-
-if TYPE_CHECKING:
-    from kvoffload.liveness.report import ScanEntry
 
 
 def scan(
@@ -55,8 +51,7 @@ def scan(
 ) -> None:
     """Tell live region files from orphans by kernel evidence (lease, holders, locks), never by age."""
     from kvoffload.durations import parse_duration
-    from kvoffload.liveness.scan import Status
-    from kvoffload.liveness.scan import scan as run_scan
+    from kvoffload.liveness.oneshot import JudgedRoot
     from shmctl.exit import ExitStatus
     from shmctl.render import scan as render
 
@@ -68,29 +63,28 @@ def scan(
         no_lease=no_lease,
         family=family,
     )
-    report = run_scan(root, options)
-    render.scan_report(
-        report,
-        json_output=json_output,
-        show_deleted=deleted,
-        limit=limit,
-        exact_bytes=exact_bytes,
-        headers=not no_headers,
-    )
+    # Judged a region at a time and written as it goes: a root of 100,000 files is never one
+    # report in memory (docs/agent-memory.md).
+    with JudgedRoot(root, options) as judged:
+        shown = render.scan_judged(
+            judged,
+            json_output=json_output,
+            show_deleted=deleted,
+            limit=limit,
+            exact_bytes=exact_bytes,
+            headers=not no_headers,
+        )
     if not own_only:  # --own-only chose to skip them: nothing to say
-        _note_others_skipped(report.entries)
-    unsettled = any(e.parked is not None and not e.parked.reaper_running for e in report.entries)
-    found = unsettled or bool(report.with_status(Status.ORPHANED))
+        _note_others_skipped(shown.others_skipped)
+    found = shown.unsettled or bool(shown.report.summary.orphaned)
     raise typer.Exit(ExitStatus.FINDINGS if found else ExitStatus.OK)
 
 
-def _note_others_skipped(entries: "Sequence[ScanEntry]") -> None:
+def _note_others_skipped(others: int) -> None:
     """One line on stderr when other users' files were skipped: exit 0 and ``N skipped`` alone
     read as "all clear" to a user who cannot judge them (only root can: ``--own-only``)."""
-    from kvoffload.liveness.scan import Status
     from shmctl.render import warning_line
 
-    others = sum(1 for e in entries if e.status is Status.SKIPPED and "owned by uid " in e.reason)
     if others:
         files = "1 file was" if others == 1 else f"{others} files were"
         warning_line(

@@ -36,7 +36,7 @@ import operator
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import IO, TYPE_CHECKING, Any
@@ -302,8 +302,6 @@ def write_table(
     works on what an operator saw. Cells are escaped (``printable``) here: a control
     character in a name cannot forge a row or a column.
     """
-    out = sys.stdout if stream is None else stream
-    color = color_enabled(out)
     texts: list[list[str]] = []
     styles: list[list[str | None]] = []
     for row in rows:
@@ -311,6 +309,21 @@ def write_table(
         styles.append([None if isinstance(c, str) else c[1] for c in row])
     head = [c.header for c in columns]
     widths = [max([len(h)] + [len(t[i]) for t in texts]) for i, h in enumerate(head)]
+    write_rows(columns, zip(texts, styles, strict=True), widths, headers=headers, stream=stream)
+
+
+def write_rows(
+    columns: Sequence[Column],
+    rows: Iterable[tuple[Sequence[str], Sequence[str | None]]],
+    widths: Sequence[int],
+    *,
+    headers: bool = True,
+    stream: IO[str] | None = None,
+) -> None:
+    """``write_table``'s lines for rows already escaped (their texts and styles), in columns of
+    ``widths``: written as they come, in slices, so that a table of any length is never one string."""
+    out = sys.stdout if stream is None else stream
+    color = color_enabled(out)
     last = len(columns) - 1
 
     def line(cells: Sequence[str], cell_styles: Sequence[str | None]) -> str:
@@ -321,9 +334,13 @@ def write_table(
             parts.append(pad + shown if column.right else shown + pad)
         return "  ".join(parts).rstrip(" ")
 
-    chunks = [line(head, [None] * len(head)) + "\n"] if headers else []
-    chunks.extend(line(t, s) + "\n" for t, s in zip(texts, styles, strict=True))
-    out.write("".join(chunks))
+    chunk = [line([c.header for c in columns], [None] * len(columns)) + "\n"] if headers else []
+    for texts, cell_styles in rows:
+        chunk.append(line(texts, cell_styles) + "\n")
+        if len(chunk) >= 4096:
+            out.write("".join(chunk))
+            chunk = []
+    out.write("".join(chunk))
 
 
 def console(*, stderr: bool = False) -> Console:

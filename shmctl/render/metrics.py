@@ -49,6 +49,7 @@ This module imports prometheus_client; only the metrics code paths import this m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import sys
@@ -411,6 +412,14 @@ class Exposition:
             report, usage, scan_seconds=scan_seconds, top_engines=self.top_engines
         )
         self.add_numbers(self._root_labels(report.root), numbers)
+
+    def add_counted(self, scan: RootScan, usage: DiskUsage, *, scan_seconds: float) -> None:
+        """Every series of one root that ``shmctl metrics`` counted a region at a time
+        (``oneshot.count_root``): the same as ``add_scan`` of its whole report."""
+        numbers = RootNumbers.of_watch(scan, usage, scan_seconds=scan_seconds, top_engines=self.top_engines)
+        # The largest region is the agent's series (what a restart needs); the one-shot
+        # command never exported it.
+        self.add_numbers(self._root_labels(scan.root), dataclasses.replace(numbers, region_size_max=None))
 
     def add_numbers(self, root: list[str], numbers: RootNumbers) -> None:
         """Every series of one scanned root (``root``: its label values), from its numbers."""

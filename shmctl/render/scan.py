@@ -22,11 +22,12 @@ selects on.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvoffload.liveness.listing import uids_text
@@ -38,7 +39,6 @@ from shmctl.render import (
     Column,
     amount_text,
     color_enabled,
-    emit_json,
     error_line,
     human_age,
     human_bytes,
@@ -49,10 +49,12 @@ from shmctl.render import (
     warning_line,
     write_table,
 )
+from shmctl.render.document import JsonDocument, JsonSpill, RowSpill, stdout_bytes
 
 if TYPE_CHECKING:  # annotations only: `shmctl scan` never imports the reaper
     from kvoffload.liveness.holders import Holder
     from kvoffload.liveness.namespace import Visibility
+    from kvoffload.liveness.oneshot import JudgedRoot
     from kvoffload.liveness.reap import ReapReport
 
 STYLE = {
@@ -239,42 +241,90 @@ def _summary(text: str, *, headers: bool) -> None:
         sys.stdout.write(styled(line, "bold", color=color_enabled(sys.stdout)) + "\n")
 
 
-def scan_report(
-    report: ScanReport,
+@dataclass(slots=True)
+class _Seen:
+    """What the lines around a scan's table or JSON say of its entries, counted as they pass."""
+
+    euid: int
+    unknown: int = 0
+    first_unknown: ScanEntry | None = None
+    unknown_unleased: bool = False
+    unseen: int = 0
+    first_unseen: ScanEntry | None = None
+    others_skipped: int = 0
+    foreign_orphans: bool = False
+    orphan_families: set[str] = field(default_factory=set)
+
+    def add(self, entries: Iterable[ScanEntry]) -> None:
+        for e in entries:
+            status = e.status
+            if status is Status.UNKNOWN:
+                self.unknown += 1
+                if self.first_unknown is None:
+                    self.first_unknown = e
+                if e.lease is None:
+                    self.unknown_unleased = True
+            elif status is Status.LIVE:
+                if e.decided_by is Evidence.LEASE:
+                    self.unseen += 1
+                    if self.first_unseen is None:
+                        self.first_unseen = e
+            elif status is Status.ORPHANED:
+                self.foreign_orphans = self.foreign_orphans or e.uid != self.euid
+                self.orphan_families.add(e.family)
+            elif status is Status.SKIPPED and "owned by uid " in e.reason:
+                self.others_skipped += 1
+
+
+@dataclass(frozen=True, slots=True)
+class ScanShown:
+    """What a command needs of the scan it showed: the report but its entries (the summary
+    counted), the skipped files of other users, and whether a dead reap left files parked."""
+
+    report: ScanReport
+    others_skipped: int
+    unsettled: bool
+
+
+def scan_judged(
+    judged: JudgedRoot,
     *,
     json_output: bool,
     show_deleted: bool,
     limit: int | None = None,
     exact_bytes: bool = False,
     headers: bool = True,
-) -> None:
-    _warn_blind_spots(report)
-    untrusted_parks_line(report.untrusted_parks, report.parks)
+) -> ScanShown:
+    """A scan read a region at a time (``JudgedRoot``), as JSON or as a table.
+
+    The JSON goes out as its entries are judged, in ``scan``'s order, the stderr lines after
+    it (they count the entries). The table's rows wait in a temporary file until every region
+    is in (they are sorted and aligned over all), a terminal's ``--limit`` best kept in memory.
+    """
+    seen = _Seen(os.geteuid())
+    unsettled = any(e.parked is not None and not e.parked.reaper_running for e in judged.parks.parked)
     if json_output:
-        emit_json(report)
-        return
-    rows = _rows(report.entries)
-    cap = _limit(limit)
-    shown = rows if cap == 0 else rows[:cap]
-    table: list[Sequence[Cell]] = [
-        (
-            (row.first.status.value, STYLE[row.first.status]),
-            row.engine,
-            str(len(row.entries)),
-            size_text(row.size, exact=exact_bytes),
-            size_text(row.resident, exact=exact_bytes),
-            human_age(row.changed),
-            _holders_text(row.holders),
-            printable(row.first.reason),
-            row.first.family,
-        )
-        for row in shown
-    ]
-    if table:
-        write_table(*_with_family(SCAN_COLUMNS, table, report.families), headers=headers)
-    if len(shown) < len(rows):
+        report = _scan_json(judged, seen)
+        _warn_blind_spots(report, seen)
+        untrusted_parks_line(report.untrusted_parks, report.parks)
+        return ScanShown(report, seen.others_skipped, unsettled)
+    families = judged.head.families
+    rows = RowSpill(_with_family_columns(SCAN_COLUMNS, families), cap=_limit(limit))
+    try:
+        for region in judged.regions():
+            seen.add(region)
+            _scan_rows(rows, region, families, exact_bytes)
+        seen.add(judged.parks.parked)
+        _scan_rows(rows, judged.parks.parked, families, exact_bytes)
+        report = judged.report()
+        _warn_blind_spots(report, seen)
+        untrusted_parks_line(report.untrusted_parks, report.parks)
+        rows.write(headers=headers)
+    finally:
+        rows.close()
+    if rows.hidden:
         _stderr_line(
-            f"… {len(rows) - len(shown)} more region(s) not shown (--limit 0 shows all; --json for scripts)",
+            f"… {rows.hidden} more region(s) not shown (--limit 0 shows all; --json for scripts)",
             "dim",
         )
     if show_deleted:
@@ -286,21 +336,91 @@ def scan_report(
             report.summary,
             report.root,
             exact=exact_bytes,
-            reap=_reap_command(report),
+            reap=_reap_command(seen, report.families),
             families=report.families,
         ),
         headers=headers,
     )
+    return ScanShown(report, seen.others_skipped, unsettled)
 
 
-def _reap_command(report: ScanReport) -> str:
+#: Entries encoded at once: a batch of ``scan --json`` is one call of the encoder.
+_JSON_BATCH = 256
+
+
+def _scan_json(judged: JudgedRoot, seen: _Seen) -> ScanReport:
+    """``scan --json``, the document ``json_text`` writes for the whole report, written as the
+    entries come: its fields in the report's order (the summary and what else is counted
+    follow the entries, as they always did). Nothing is written before the first entries are
+    judged, so a root whose files cannot be judged at all (its entries cannot be ``lstat``ed)
+    is an error line alone, as before."""
+    names = [f.name for f in dataclasses.fields(ScanReport)]
+    at = names.index("entries")
+    document: JsonDocument | None = None
+    batch: list[ScanEntry] = []
+    for entry in judged.entries():
+        batch.append(entry)
+        if len(batch) >= _JSON_BATCH:
+            document = _write_entries(document, judged, names[:at], batch, seen)
+            batch = []
+    document = _write_entries(document, judged, names[:at], batch, seen)
+    document.end_list()
+    report = judged.report()
+    document.fields(report, names[at + 1 :])
+    document.close()
+    return report
+
+
+def _write_entries(
+    document: JsonDocument | None, judged: JudgedRoot, head: list[str], batch: list[ScanEntry], seen: _Seen
+) -> JsonDocument:
+    """``batch`` into ``document``, begun here (its ``head`` fields) if it was not yet."""
+    if document is None:
+        document = JsonDocument(stdout_bytes(), pretty=sys.stdout.isatty())
+        document.fields(judged.head, head)
+        document.begin_list("entries")
+    seen.add(batch)
+    document.items(batch)
+    return document
+
+
+def _with_family_columns(columns: Sequence[Column], families: Sequence[str]) -> tuple[Column, ...]:
+    """``columns`` with FAMILY after the first where ``families`` asks for more than offload."""
+    if not _beyond_offload(families):
+        return tuple(columns)
+    return (columns[0], FAMILY_COLUMN, *columns[1:])
+
+
+def _family_cells(cells: list[str], family: str, families: Sequence[str]) -> list[str]:
+    """A row's cells with its family after the first, as ``_with_family_columns``."""
+    return [cells[0], family, *cells[1:]] if _beyond_offload(families) else cells
+
+
+def _scan_rows(rows: RowSpill, entries: Iterable[ScanEntry], families: Sequence[str], exact: bool) -> None:
+    for row in _rows(entries):
+        first = row.first
+        cells = [
+            first.status.value,
+            row.engine,
+            str(len(row.entries)),
+            size_text(row.size, exact=exact),
+            size_text(row.resident, exact=exact),
+            human_age(row.changed),
+            _holders_text(row.holders),
+            printable(first.reason),
+        ]
+        rows.add(
+            (_ORDER[first.status], -row.resident, first.name),
+            _family_cells(cells, first.family, families),
+            STYLE[first.status],
+        )
+
+
+def _reap_command(seen: _Seen, families: Sequence[str]) -> str:
     """The reap that removes every orphan of the scan: root's own reap leaves other users' files."""
-    euid = os.geteuid()
-    others = any(e.uid != euid for e in report.with_status(Status.ORPHANED))
-    command = "shmctl reap --all-users" if others else "shmctl reap"
-    if _beyond_offload(report.families):
-        found = {e.family for e in report.with_status(Status.ORPHANED)}
-        command += "".join(f" --family {name}" for name in report.families if name in found)
+    command = "shmctl reap --all-users" if seen.foreign_orphans else "shmctl reap"
+    if _beyond_offload(families):
+        command += "".join(f" --family {name}" for name in families if name in seen.orphan_families)
     return command
 
 
@@ -326,29 +446,31 @@ def _deleted_table(report: ScanReport, *, exact_bytes: bool, headers: bool) -> N
     )
 
 
-def _warn_blind_spots(report: ScanReport) -> None:
-    _note_visibility(report.visibility, report.lease_enabled, report.unseen_holders)
+def _warn_blind_spots(report: ScanReport, seen: _Seen) -> None:
+    _note_visibility(report.visibility, report.lease_enabled, seen.unseen, seen.first_unseen)
     blind = report.blind_spots
-    unknown = report.with_status(Status.UNKNOWN)
-    if not unknown or not blind or all(e.lease is not None for e in unknown):
+    if not seen.unknown or not blind or not seen.unknown_unleased or seen.first_unknown is None:
         return
     shown = "; ".join(u.describe() for u in blind[:3])
     more = f" and {len(blind) - 3} more" if len(blind) > 3 else ""
     warning_line(
         f"could not inspect {len(blind)} process(es): {shown}{more}. Files they could hold "
-        f"are 'unknown' and never reaped where no write lease can be taken; {unknown_fix(unknown[0])}"
+        f"are 'unknown' and never reaped where no write lease can be taken; "
+        f"{unknown_fix(seen.first_unknown)}"
     )
 
 
-def _note_visibility(view: Visibility | None, lease_enabled: bool, unseen: Sequence[ScanEntry]) -> None:
+def _note_visibility(
+    view: Visibility | None, lease_enabled: bool, unseen: int, first_unseen: ScanEntry | None
+) -> None:
     """Say once when this /proc cannot show every holder: the lease still proves them."""
     if view is not None and not view.complete:
         proof = "proven by the write lease, not named" if lease_enabled else "unproven: leases are off"
         warning_line(f"this scan's /proc shows {view.detail}; holders outside it are {proof}", note=True)
-    elif unseen:
+    elif unseen and first_unseen is not None:
         warning_line(
-            f"{len(unseen)} file(s) are held by processes this /proc does not show "
-            f"(the write lease was refused): {printable(unseen[0].name)} first",
+            f"{unseen} file(s) are held by processes this /proc does not show "
+            f"(the write lease was refused): {printable(first_unseen.name)} first",
             note=True,
         )
 
@@ -368,28 +490,6 @@ def unknown_fix(entry: ScanEntry) -> str:
         "run as root in the engines' PID namespace, or vouch for a process that maps no region "
         "with --assume-not-holding PID"
     )
-
-
-def kept_unknown_line(report: ReapReport) -> None:
-    """One stderr line whenever reap kept files it could not prove dead: never silent."""
-    if not report.unknown:
-        return
-    first = report.unknown[0]
-    warning_line(
-        f"kept {len(report.unknown)} unknown file(s), {human_bytes(report.unknown_resident_bytes)} "
-        f"resident: {printable(first.name)}: {printable(first.reason)} (fix: {unknown_fix(first)})"
-    )
-
-
-def _live_note(report: ReapReport) -> str:
-    """``; live: ENGINE: held by …`` for the first live region reap kept (and how many more):
-    a restarting engine that does not fit waits on them, and the operator needs the pids."""
-    if not report.live:
-        return ""
-    first = report.live[0]
-    more = len({e.unit for e in report.live}) - 1
-    tail = f" (and {more} more live region(s))" if more else ""
-    return f"; live: {printable(first.engine_id)}: {printable(first.reason)}{tail}"
 
 
 def _reap_rows(
@@ -420,27 +520,251 @@ def _foreign_uids(entries: Iterable[ScanEntry]) -> list[int]:
     return sorted({e.uid for e in entries if e.uid != euid})
 
 
-def _other_users_note(report: ReapReport, *, exact: bool) -> str:
-    """What the reap left of other users' orphans, and the fix; empty when it left none."""
-    left = report.other_users_left
-    if not left:
-        return ""
-    uids = _foreign_uids(left)
-    resident = amount_text(sum(e.resident_bytes for e in left), exact=exact)
-    return (
-        f"left {len(left)} orphaned file(s) of other users ({uids_text(uids)}), {resident} resident: "
-        "pass --all-users to remove them"
-    )
+@dataclass(slots=True)
+class _Listed:
+    """One list of a reap report as it passes: its files, their resident bytes, the first."""
+
+    files: int = 0
+    resident: int = 0
+    first: ScanEntry | None = None
+    #: Regions (units) among them, counted as they change.
+    regions: int = 0
+    _unit: tuple[str, str] | None = None
+
+    def add(self, entries: Sequence[ScanEntry]) -> None:
+        for e in entries:
+            self.files += 1
+            self.resident += e.resident_bytes
+            if self.first is None:
+                self.first = e
+            if e.unit != self._unit:
+                self._unit = e.unit
+                self.regions += 1
 
 
-def _filter_notes(report: ReapReport, filters_text: str, *, exact: bool) -> str:
-    if not report.filtered_out:
-        return ""
-    left = report.filtered_out
-    return (
-        f"; {len(left)} orphaned file(s) ({amount_text(sum(e.resident_bytes for e in left), exact=exact)} "
-        f"resident) do not match {filters_text or 'the filters'} and stay"
-    )
+#: The rows of a reap's table, in this order: (list, the first column's word, its style;
+#: None: the status's).
+_REAP_VERBS = (
+    ("removed", "removed", None),
+    ("restored", "restored", None),
+    ("parked", "parked", None),
+    ("failed", "failed", "bold red"),
+    ("kept", "kept", None),
+    ("other_users_left", "left", STYLE[Status.ORPHANED]),
+)
+
+
+class ReapWriter:
+    """A reap's report written as the reap produces it: the sink of ``reap_into``.
+
+    Every list of entries goes, as it comes, to a temporary file (``--json``: ``JsonSpill``, one
+    per list) or into the table's rows (``RowSpill``); only counts, bytes and the first entry of
+    each list are held. ``finish`` writes the stderr lines, then the document or the table and
+    the summary line, exactly as for a whole ``ReapReport`` (``reap_report``).
+    """
+
+    def __init__(
+        self,
+        *,
+        dry_run: bool,
+        json_output: bool,
+        families: Sequence[str],
+        filters_text: str = "",
+        exact_bytes: bool = False,
+        headers: bool = True,
+    ) -> None:
+        from kvoffload.liveness.reap import STREAMED_FIELDS
+        from kvoffload.liveness.removal import STOPPED  # the reap's own words (scan never loads it)
+
+        self._stopped_reason = STOPPED
+        self.dry_run = dry_run
+        self.json_output = json_output
+        self.families = tuple(families)
+        self.filters_text = filters_text
+        self.exact = exact_bytes
+        self.headers = headers
+        self.lists = {name: _Listed() for name in STREAMED_FIELDS}
+        self.stopped = 0
+        self.foreign_uids: set[int] = set()
+        self._euid = os.geteuid()
+        self._failed: set[int] = set()
+        self._spills = (
+            {name: JsonSpill(pretty=sys.stdout.isatty()) for name in STREAMED_FIELDS} if json_output else {}
+        )
+        self._rows = None if json_output else RowSpill(_with_family_columns(REAP_COLUMNS, families))
+        self._verbs = {name: (rank, verb, style) for rank, (name, verb, style) in enumerate(_REAP_VERBS)}
+
+    def take(self, field: str, entries: Sequence[ScanEntry]) -> None:
+        if not entries:
+            return
+        self.lists[field].add(entries)
+        if field == "kept":
+            self.stopped += sum(1 for e in entries if e.reason == self._stopped_reason)
+        elif field == "other_users_left":
+            self.foreign_uids.update(e.uid for e in entries if e.uid != self._euid)
+        if self._rows is None:
+            self._spills[field].add(entries)
+            return
+        if field == "failed":
+            self._failed = {id(e) for e in entries}
+        elif field == "kept" and self._failed:
+            # A failed entry is kept too (``failed`` comes first): its row is the failed one.
+            entries = [e for e in entries if id(e) not in self._failed]
+            self._failed = set()
+        verb = self._verbs.get(field)
+        if verb is not None:
+            self._add_rows(entries, *verb)
+
+    def _add_rows(self, entries: Sequence[ScanEntry], rank: int, verb: str, style: str | None) -> None:
+        assert self._rows is not None
+        if verb == "removed" and self.dry_run:
+            verb = "would-remove"
+        for row in _rows(entries):
+            first = row.first
+            cells = [
+                verb,
+                row.engine,
+                str(len(row.entries)),
+                size_text(row.size, exact=self.exact),
+                size_text(row.resident, exact=self.exact),
+                printable(_other_user_reason(row) if verb == "left" else first.reason),
+            ]
+            self._rows.add(
+                (rank, _ORDER[first.status], -row.resident, first.name),
+                _family_cells(cells, first.family, self.families),
+                STYLE[first.status] if verb == "kept" else style,
+            )
+
+    def finish(self, report: ReapReport) -> None:
+        """The stderr lines, then ``--json``'s document or the table and the summary line."""
+        try:
+            _note_visibility(report.visibility, report.lease_enabled, 0, None)
+            untrusted_parks_line(report.untrusted_parks)
+            self._failed_line(report)
+            for missing in report.unmatched_filters:
+                warning_line(f"{missing} matches no region in {printable(str(report.root))}")
+            self._kept_unknown_line()
+            if self._rows is None:
+                self._document(report)
+                return
+            self._rows.write(headers=self.headers)
+            _summary(self._summary_line(report), headers=self.headers)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for spill in self._spills.values():
+            spill.close()
+        if self._rows is not None:
+            self._rows.close()
+
+    def _document(self, report: ReapReport) -> None:
+        document = JsonDocument(stdout_bytes(), pretty=sys.stdout.isatty())
+        for f in dataclasses.fields(report):
+            spill = self._spills.get(f.name)
+            if spill is None:
+                document.field(f.name, getattr(report, f.name))
+            else:
+                document.spilled(f.name, spill)
+        document.close()
+
+    def _failed_line(self, report: ReapReport) -> None:
+        """One line on stderr when reap failed to remove what it proved orphaned: why, and the fix."""
+        failed = self.lists["failed"]
+        first = failed.first
+        if first is None:
+            return
+        error_line(
+            f"could not remove {failed.files} orphaned file(s) in {printable(str(report.root))}: "
+            f"{printable(first.name)}: {printable(first.reason.removeprefix('kept: '))} "
+            f"(fix: {_failure_fix(first.reason, str(report.root))})"
+        )
+
+    def _kept_unknown_line(self) -> None:
+        """One stderr line whenever reap kept files it could not prove dead: never silent."""
+        unknown = self.lists["unknown"]
+        first = unknown.first
+        if first is None:
+            return
+        warning_line(
+            f"kept {unknown.files} unknown file(s), {human_bytes(unknown.resident)} "
+            f"resident: {printable(first.name)}: {printable(first.reason)} (fix: {unknown_fix(first)})"
+        )
+
+    def _live_note(self) -> str:
+        """``; live: ENGINE: held by …`` for the first live region reap kept (and how many more):
+        a restarting engine that does not fit waits on them, and the operator needs the pids."""
+        live = self.lists["live"]
+        first = live.first
+        if first is None:
+            return ""
+        more = live.regions - 1
+        tail = f" (and {more} more live region(s))" if more else ""
+        return f"; live: {printable(first.engine_id)}: {printable(first.reason)}{tail}"
+
+    def _other_users_note(self) -> str:
+        """What the reap left of other users' orphans, and the fix; empty when it left none."""
+        left = self.lists["other_users_left"]
+        if not left.files:
+            return ""
+        resident = amount_text(left.resident, exact=self.exact)
+        return (
+            f"left {left.files} orphaned file(s) of other users ({uids_text(sorted(self.foreign_uids))}), "
+            f"{resident} resident: pass --all-users to remove them"
+        )
+
+    def _filter_notes(self) -> str:
+        left = self.lists["filtered_out"]
+        if not left.files:
+            return ""
+        return (
+            f"; {left.files} orphaned file(s) ({amount_text(left.resident, exact=self.exact)} "
+            f"resident) do not match {self.filters_text or 'the filters'} and stay"
+        )
+
+    def _summary_line(self, report: ReapReport) -> str:
+        lists, exact = self.lists, self.exact
+        files = lists["removed"].files
+        kept, failed, conflicts = lists["kept"].files, lists["failed"].files, lists["conflicts"].files
+        restored, parked = lists["restored"].files, lists["parked"].files
+        freed = amount_text(report.freed_bytes, exact=exact)
+        others = self._other_users_note()
+        quiet = not (kept or restored or parked or report.parks_removed)
+        # Where the summary line is not the scan's own (which says it), the starting files still
+        # say when a reap could take them: an operator who sees them left runs reap again then.
+        wait = _starting_wait(report.summary)
+        starting = f"; {report.summary.starting} starting file(s) left ({wait})" if wait else ""
+        if not files and quiet:
+            if others:
+                line = f"nothing to reap; {others}" + self._filter_notes() + starting
+            elif lists["filtered_out"].files:
+                line = "nothing to reap" + self._filter_notes() + starting
+            else:
+                line = "nothing to reap: " + summary_line(
+                    report.summary, report.root, exact=exact, families=report.families
+                )
+        else:
+            verb = "would remove" if report.dry_run else "removed"
+            line = f"{verb} {files} file(s), {'freeing' if report.dry_run else 'freed'} {freed}"
+            if restored:
+                line += f"; gave {restored} parked file(s) back their names"
+            if parked:
+                line += f"; {parked} file(s) left parked by a dead reap to settle"
+            if report.parks_removed:
+                line += f"; removed {len(report.parks_removed)} park director(ies) dead reapers left"
+            if failed:
+                line += f"; could not remove {failed} (see the failed rows)"
+            if self.stopped:
+                line += f"; {self.stopped} not begun: the reap was stopped"
+            changed = kept - conflicts - failed - self.stopped
+            if changed:
+                line += f"; kept {changed} that changed since the plan"
+            if conflicts:
+                line += f"; {conflicts} conflict(s): parked, name taken, nothing removed"
+            if others:
+                line += f"; {others}"
+            line += self._filter_notes() + starting
+        return line + self._live_note()
 
 
 def reap_report(
@@ -451,79 +775,21 @@ def reap_report(
     exact_bytes: bool = False,
     headers: bool = True,
 ) -> None:
-    _note_visibility(report.visibility, report.lease_enabled, ())
-    untrusted_parks_line(report.untrusted_parks)
-    failed_line(report)
-    for missing in report.unmatched_filters:
-        warning_line(f"{missing} matches no region in {printable(str(report.root))}")
-    kept_unknown_line(report)
-    if json_output:
-        emit_json(report)
-        return
-    failed = {id(e) for e in report.failed}
-    rows = _reap_rows("would-remove" if report.dry_run else "removed", report.removed, exact=exact_bytes)
-    rows += _reap_rows("restored", report.restored, exact=exact_bytes)
-    rows += _reap_rows("parked", report.parked, exact=exact_bytes)
-    rows += _reap_rows("failed", report.failed, exact=exact_bytes, style="bold red")
-    rows += _reap_rows("kept", [e for e in report.kept if id(e) not in failed], exact=exact_bytes)
-    rows += _reap_rows("left", report.other_users_left, exact=exact_bytes, style=STYLE[Status.ORPHANED])
-    if rows:
-        write_table(*_with_family(REAP_COLUMNS, rows, report.families), headers=headers)
-    files = len(report.removed)
-    freed = amount_text(report.freed_bytes, exact=exact_bytes)
-    others = _other_users_note(report, exact=exact_bytes)
-    quiet = not (report.kept or report.restored or report.parked or report.parks_removed)
-    # Where the summary line is not the scan's own (which says it), the starting files still
-    # say when a reap could take them: an operator who sees them left runs reap again then.
-    wait = _starting_wait(report.summary)
-    starting = f"; {report.summary.starting} starting file(s) left ({wait})" if wait else ""
-    if not files and quiet:
-        if others:
-            line = f"nothing to reap; {others}" + _filter_notes(report, filters_text, exact=exact_bytes)
-            line += starting
-        elif report.filtered_out:
-            line = "nothing to reap" + _filter_notes(report, filters_text, exact=exact_bytes) + starting
-        else:
-            line = "nothing to reap: " + summary_line(
-                report.summary, report.root, exact=exact_bytes, families=report.families
-            )
-    else:
-        verb = "would remove" if report.dry_run else "removed"
-        line = f"{verb} {files} file(s), {'freeing' if report.dry_run else 'freed'} {freed}"
-        if report.restored:
-            line += f"; gave {len(report.restored)} parked file(s) back their names"
-        if report.parked:
-            line += f"; {len(report.parked)} file(s) left parked by a dead reap to settle"
-        if report.parks_removed:
-            line += f"; removed {len(report.parks_removed)} park director(ies) dead reapers left"
-        if report.failed:
-            line += f"; could not remove {len(report.failed)} (see the failed rows)"
-        from kvoffload.liveness.removal import STOPPED  # the reap's own words (scan never loads it)
+    """A whole ``ReapReport``, as ``ReapWriter`` writes a reap that streams."""
+    from kvoffload.liveness.reap import STREAMED_FIELDS
 
-        stopped = sum(1 for e in report.kept if e.reason == STOPPED)
-        if stopped:
-            line += f"; {stopped} not begun: the reap was stopped"
-        changed = len(report.kept) - len(report.conflicts) - len(report.failed) - stopped
-        if changed:
-            line += f"; kept {changed} that changed since the plan"
-        if report.conflicts:
-            line += f"; {len(report.conflicts)} conflict(s): parked, name taken, nothing removed"
-        if others:
-            line += f"; {others}"
-        line += _filter_notes(report, filters_text, exact=exact_bytes) + starting
-    _summary(line + _live_note(report), headers=headers)
-
-
-def failed_line(report: ReapReport) -> None:
-    """One line on stderr when reap failed to remove what it proved orphaned: why, and the fix."""
-    if not report.failed:
-        return
-    first = report.failed[0]
-    error_line(
-        f"could not remove {len(report.failed)} orphaned file(s) in {printable(str(report.root))}: "
-        f"{printable(first.name)}: {printable(first.reason.removeprefix('kept: '))} "
-        f"(fix: {_failure_fix(first.reason, str(report.root))})"
+    writer = ReapWriter(
+        dry_run=report.dry_run,
+        json_output=json_output,
+        families=report.families,
+        filters_text=filters_text,
+        exact_bytes=exact_bytes,
+        headers=headers,
     )
+    # ``failed`` before ``kept``: a failed entry is kept too, and shown once, as failed.
+    for name in ("failed", *(n for n in STREAMED_FIELDS if n != "failed")):
+        writer.take(name, getattr(report, name))
+    writer.finish(report)
 
 
 def _failure_fix(reason: str, root: str) -> str:
