@@ -231,6 +231,7 @@ def render() -> dict[str, Any]:
     return {
         "SOURCES": sources,
         "FINGERPRINT": fingerprint(str(TOP), sources, str(typer.__file__)),
+        "TYPER_VERSION": typer.__version__,
         "HELP": help_texts,
         "OPTIONS": options,
         "VALUES": values,
@@ -252,6 +253,8 @@ def module_text(answers: dict[str, Any]) -> str:
         "# fmt: off",
         f"SOURCES = {answers['SOURCES']!r}",
         f"FINGERPRINT = {answers['FINGERPRINT']!r}",
+        "#: The typer that rendered them (in FINGERPRINT too); the tests skip what needs it.",
+        f"TYPER_VERSION = {answers['TYPER_VERSION']!r}",
         "",
     ]
     for name in ("HELP", "OPTIONS", "VALUES", "GIVEN", "ENGINES"):
