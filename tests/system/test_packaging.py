@@ -285,8 +285,8 @@ def test_without_torch_a_real_init_fails_with_one_line_naming_the_torch_extra(
     ("args", "env"),
     [
         (("scan",), {}),
-        # the root's engine ids: a Tab typer answers (shmctl.launch answers the fixed ones itself)
-        ((), {"_SHMCTL_COMPLETE": "complete_bash", "COMP_WORDS": "shmctl reap --engine ", "COMP_CWORD": "3"}),
+        # a rank: a Tab typer answers (shmctl.launch answers the fixed lists and engine ids itself)
+        ((), {"_SHMCTL_COMPLETE": "complete_bash", "COMP_WORDS": "shmctl init --rank ", "COMP_CWORD": "3"}),
     ],
     ids=["scan", "tab"],
 )
