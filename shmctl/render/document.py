@@ -61,10 +61,20 @@ def stdout_bytes() -> BytesOut:
 
 
 def _temporary() -> IO[bytes]:
-    """An unlinked temporary file (``TMPDIR``, else ``/tmp``): nothing is left behind, even on a kill."""
+    """An unlinked temporary file (``TMPDIR``, else ``/tmp``): nothing is left behind, even on a kill.
+
+    Where no directory is writable (a container's read-only root, as the DaemonSet runs
+    ``kubectl exec`` into), the rows wait in memory instead: the output is the same, only the
+    command's memory grows with the root again.
+    """
     import tempfile  # only where rows or lists are long enough to wait: a few ms of imports
 
-    return tempfile.TemporaryFile(prefix="shmctl-")
+    try:
+        return tempfile.TemporaryFile(prefix="shmctl-")
+    except OSError:
+        import io
+
+        return io.BytesIO()
 
 
 def _array_items(items: Sequence[Any], *, pretty: bool) -> str:
@@ -236,7 +246,11 @@ class RowSpill:
 
     def _read(self, offset: int, length: int) -> tuple[list[str], list[str | None]]:
         assert self._file is not None
-        fields = os.pread(self._file.fileno(), length, offset).decode("utf-8").split("\0")
+        if hasattr(self._file, "getbuffer"):  # held in memory (``_temporary``)
+            data = bytes(self._file.getbuffer()[offset : offset + length])
+        else:
+            data = os.pread(self._file.fileno(), length, offset)
+        fields = data.decode("utf-8").split("\0")
         return fields[1:], _styles(fields[0] or None, len(fields) - 1)
 
     def write(self, *, headers: bool, stream: IO[str] | None = None) -> None:
