@@ -27,7 +27,7 @@ import heapq
 import itertools
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,16 +35,15 @@ from kvoffload.liveness import lease
 from kvoffload.liveness.holders import DeletedMapping, Uninspected
 from kvoffload.liveness.namespace import visibility
 from kvoffload.liveness.park.parked import JudgedParks
-from kvoffload.liveness.report import SCHEMA_VERSION, ScanEntry, ScanReport, ScanSummary
+from kvoffload.liveness.report import SCHEMA_VERSION, ScanEntry, ScanReport, SummaryCount
 from kvoffload.liveness.scan import ScanOptions, ScanStream, open_root, scan
-from kvoffload.liveness.verdict import Status
 from kvoffload.shm import families as shm_families
 from kvoffload.shm import mounts
 
 if TYPE_CHECKING:
     from kvoffload.liveness.events import RootScan
 
-__all__ = ["WHOLE_BELOW", "JudgedRoot", "SummaryCount", "count_root", "order_key"]
+__all__ = ["WHOLE_BELOW", "JudgedRoot", "count_root", "order_key"]
 
 #: Directory entries below which a root is scanned whole: ``scan``'s prober then overlaps the
 #: probes with the ``/proc`` walk (10,000 files: 0.37 s wall against the stream's 0.41), and
@@ -56,48 +55,6 @@ WHOLE_BELOW = 20_000
 def order_key(entry: ScanEntry) -> tuple[str, int, str]:
     """``scan``'s order of entries: engine id, segment, name."""
     return (entry.engine_id, entry.segment, entry.name)
-
-
-class SummaryCount:
-    """``ScanSummary.of``, added up a region at a time."""
-
-    def __init__(self) -> None:
-        self.count = dict.fromkeys(Status, 0)
-        self.resident = dict.fromkeys(Status, 0)
-        self.orphaned_size = 0
-        self.first_wait: float | None = None
-        self.last_wait: float | None = None
-
-    def add(self, entries: Sequence[ScanEntry]) -> None:
-        for e in entries:
-            self.count[e.status] += 1
-            self.resident[e.status] += e.resident_bytes
-            if e.status is Status.ORPHANED:
-                self.orphaned_size += e.size_bytes
-            wait = e.removable_in_s
-            if wait is not None:
-                self.first_wait = wait if self.first_wait is None else min(self.first_wait, wait)
-                self.last_wait = wait if self.last_wait is None else max(self.last_wait, wait)
-
-    def summary(self, uninspected: int) -> ScanSummary:
-        count, resident = self.count, self.resident
-        return ScanSummary(
-            total=sum(count.values()),
-            live=count[Status.LIVE],
-            orphaned=count[Status.ORPHANED],
-            starting=count[Status.STARTING],
-            unknown=count[Status.UNKNOWN],
-            skipped=count[Status.SKIPPED],
-            orphaned_size_bytes=self.orphaned_size,
-            orphaned_resident_bytes=resident[Status.ORPHANED],
-            resident_bytes=sum(b for status, b in resident.items() if status is not Status.SKIPPED),
-            uninspected_processes=uninspected,
-            unknown_resident_bytes=resident[Status.UNKNOWN],
-            parked=count[Status.PARKED],
-            parked_resident_bytes=resident[Status.PARKED],
-            starting_first_removable_in_s=self.first_wait,
-            starting_last_removable_in_s=self.last_wait,
-        )
 
 
 def _entries_below(dir_fd: int, limit: int) -> bool:

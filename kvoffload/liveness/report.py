@@ -9,6 +9,7 @@ document. Park directories and the files in them are reported with ``park``'s vi
 from __future__ import annotations
 
 import stat
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ __all__ = [
     "ScanEntry",
     "ScanReport",
     "ScanSummary",
+    "SummaryCount",
     "entry_of",
 ]
 
@@ -149,28 +151,52 @@ class ScanSummary:
     starting_last_removable_in_s: float | None = None
 
     @classmethod
-    def of(cls, entries: tuple[ScanEntry, ...], uninspected: int) -> ScanSummary:
-        count = {s: 0 for s in Status}
+    def of(cls, entries: Sequence[ScanEntry], uninspected: int) -> ScanSummary:
+        count = SummaryCount()
+        count.add(entries)
+        return count.summary(uninspected)
+
+
+class SummaryCount:
+    """``ScanSummary``'s numbers, added up a region (or a report) at a time: the one count behind
+    ``scan``'s summary, the one-shot commands' (``oneshot``) and the agent's (``tally``)."""
+
+    def __init__(self) -> None:
+        self.count = dict.fromkeys(Status, 0)
+        self.resident = dict.fromkeys(Status, 0)
+        self.orphaned_size = 0
+        self.first_wait: float | None = None
+        self.last_wait: float | None = None
+
+    def add(self, entries: Iterable[ScanEntry]) -> None:
         for e in entries:
-            count[e.status] += 1
-        orphans = [e for e in entries if e.status is Status.ORPHANED]
-        waits = [e.removable_in_s for e in entries if e.removable_in_s is not None]
-        return cls(
-            total=len(entries),
+            self.count[e.status] += 1
+            self.resident[e.status] += e.resident_bytes
+            if e.status is Status.ORPHANED:
+                self.orphaned_size += e.size_bytes
+            wait = e.removable_in_s
+            if wait is not None:
+                self.first_wait = wait if self.first_wait is None else min(self.first_wait, wait)
+                self.last_wait = wait if self.last_wait is None else max(self.last_wait, wait)
+
+    def summary(self, uninspected: int) -> ScanSummary:
+        count, resident = self.count, self.resident
+        return ScanSummary(
+            total=sum(count.values()),
             live=count[Status.LIVE],
             orphaned=count[Status.ORPHANED],
             starting=count[Status.STARTING],
             unknown=count[Status.UNKNOWN],
             skipped=count[Status.SKIPPED],
-            orphaned_size_bytes=sum(e.size_bytes for e in orphans),
-            orphaned_resident_bytes=sum(e.resident_bytes for e in orphans),
-            resident_bytes=sum(e.resident_bytes for e in entries if e.status is not Status.SKIPPED),
+            orphaned_size_bytes=self.orphaned_size,
+            orphaned_resident_bytes=resident[Status.ORPHANED],
+            resident_bytes=sum(b for status, b in resident.items() if status is not Status.SKIPPED),
             uninspected_processes=uninspected,
-            unknown_resident_bytes=sum(e.resident_bytes for e in entries if e.status is Status.UNKNOWN),
+            unknown_resident_bytes=resident[Status.UNKNOWN],
             parked=count[Status.PARKED],
-            parked_resident_bytes=sum(e.resident_bytes for e in entries if e.status is Status.PARKED),
-            starting_first_removable_in_s=min(waits, default=None),
-            starting_last_removable_in_s=max(waits, default=None),
+            parked_resident_bytes=resident[Status.PARKED],
+            starting_first_removable_in_s=self.first_wait,
+            starting_last_removable_in_s=self.last_wait,
         )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from kvoffload.liveness.events import RemovedFile, RootReap, RootScan
-from kvoffload.liveness.report import ScanEntry, ScanSummary
+from kvoffload.liveness.report import ScanEntry, SummaryCount
 from kvoffload.liveness.scan import Status
 
 if TYPE_CHECKING:
@@ -44,10 +44,9 @@ class Tally:
     """One root's numbers, added up a region at a time as the pass leaves it (``RootScan``)."""
 
     def __init__(self, top_engines: int) -> None:
-        self.files = dict.fromkeys(Status, 0)
+        #: Files, bytes and waits by status: the summary's numbers, counted as ``scan``'s are.
+        self.counted = SummaryCount()
         self.regions = dict.fromkeys(Status, 0)
-        self.resident = dict.fromkeys(Status, 0)
-        self.orphaned_size = 0
         self.region_size_max = 0
         self.top_engines = top_engines
         #: Candidates for the named engines, as (-bytes, engine id): at most twice the names kept.
@@ -63,15 +62,13 @@ class Tally:
 
     def count(self, entries: Sequence[ScanEntry]) -> None:
         """One engine's files as they stand after the pass."""
+        self.counted.add(entries)
         size = 0
         orphaned: int | None = None
         for e in entries:
-            self.files[e.status] += 1
-            self.resident[e.status] += e.resident_bytes
             size += e.size_bytes
             if e.status is Status.ORPHANED:
                 orphaned = (orphaned or 0) + e.resident_bytes
-                self.orphaned_size += e.size_bytes
         for status in {e.status for e in entries}:
             self.regions[status] += 1
         self.region_size_max = max(self.region_size_max, size)
@@ -101,27 +98,11 @@ class Tally:
 
     def scan(self, root: Path, stream: Judged) -> RootScan:
         self._trim()
-        files, resident = self.files, self.resident
-        summary = ScanSummary(
-            total=sum(files.values()),
-            live=files[Status.LIVE],
-            orphaned=files[Status.ORPHANED],
-            starting=files[Status.STARTING],
-            unknown=files[Status.UNKNOWN],
-            skipped=files[Status.SKIPPED],
-            orphaned_size_bytes=self.orphaned_size,
-            orphaned_resident_bytes=resident[Status.ORPHANED],
-            resident_bytes=sum(b for status, b in resident.items() if status is not Status.SKIPPED),
-            uninspected_processes=len(stream.uninspected),
-            unknown_resident_bytes=resident[Status.UNKNOWN],
-            parked=files[Status.PARKED],
-            parked_resident_bytes=resident[Status.PARKED],
-        )
         return RootScan(
             root=root,
             scanned_at=stream.scanned_at or time.time(),
-            summary=summary,
-            resident_bytes=dict(resident),
+            summary=self.counted.summary(len(stream.uninspected)),
+            resident_bytes=dict(self.counted.resident),
             orphaned_engines=tuple((engine_id, -minus) for minus, engine_id in self._engines),
             orphaned_other_bytes=self._other,
             region_size_max=self.region_size_max,
