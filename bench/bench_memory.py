@@ -46,8 +46,8 @@ from figures import (
     entry,
     interrupt_on_signals,
     private_dir,
+    private_tmpfs,
     report,
-    signals_ignored,
 )
 
 MIB = 1024 * 1024
@@ -66,30 +66,15 @@ def make_regions(directory: Path, files: int) -> None:
 @contextlib.contextmanager
 def private_root(files: int) -> Iterator[Path]:
     """A tmpfs of its own (root), else a private directory of /dev/shm; removed on the way out."""
-    if os.geteuid() != 0:
-        print("note: not root: the files go to a private directory of /dev/shm", file=sys.stderr)
+    # Inodes only: a tmpfs's nr_inodes, not its size, is what 100,000 empty files need.
+    options = f"size=64m,nr_inodes={files + 1024},mode=0700"
+    prefix = f"{SHM_PREFIX}{os.environ.get(TAG_ENV, '')}memory-"
+    with private_tmpfs(options, prefix, "the files go to a private directory of /dev/shm") as point:
+        if point is not None:
+            yield point
+            return
         with private_dir(Path("/dev/shm"), "memory") as path:
             yield path
-        return
-    point = Path(tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.environ.get(TAG_ENV, '')}memory-"))
-    try:
-        # Inodes only: a tmpfs's nr_inodes, not its size, is what 100,000 empty files need.
-        options = f"size=64m,nr_inodes={files + 1024},mode=0700"
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], check=False)
-        if mounted.returncode != 0:
-            print("note: cannot mount a tmpfs: the files go to /dev/shm", file=sys.stderr)
-            with private_dir(Path("/dev/shm"), "memory") as path:
-                yield path
-            return
-        try:
-            yield point
-        finally:
-            with signals_ignored():
-                if subprocess.run(["umount", str(point)], check=False).returncode != 0:
-                    subprocess.run(["umount", "-l", str(point)], check=False)
-    finally:
-        with signals_ignored(), contextlib.suppress(OSError):
-            point.rmdir()
 
 
 def peak_mib(argv: Sequence[str], tree: Path, ok: Sequence[int] = (0, 1)) -> float:

@@ -320,16 +320,16 @@ def private_dir(shm: Path, what: str) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def huge_tmpfs(size: int, what: str) -> Iterator[Path | None]:
-    """A private tmpfs of ``size`` bytes mounted huge=within_size, or None (with a note on
-    stderr) where this process cannot mount one; unmounted and removed on the way out."""
+def private_tmpfs(options: str, prefix: str, what: str) -> Iterator[Path | None]:
+    """A private tmpfs mounted with ``options`` in a new directory named ``prefix...``, or None
+    (with a note on stderr ending ``what``) where this process cannot mount one; unmounted and
+    removed on the way out, also on Ctrl-C."""
     if os.geteuid() != 0:
-        print(f"note: not root: no tmpfs with huge=within_size of its own; {what}", file=sys.stderr)
+        print(f"note: not root: no tmpfs of its own ({options}); {what}", file=sys.stderr)
         yield None
         return
-    point = Path(tempfile.mkdtemp(prefix="bench-huge-"))
+    point = Path(tempfile.mkdtemp(prefix=prefix))
     try:
-        options = f"size={size},huge=within_size,mode=0700"
         done = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
             capture_output=True,
@@ -337,10 +337,7 @@ def huge_tmpfs(size: int, what: str) -> Iterator[Path | None]:
             check=False,
         )
         if done.returncode != 0:
-            print(
-                f"note: cannot mount a huge=within_size tmpfs ({done.stderr.strip()}); {what}",
-                file=sys.stderr,
-            )
+            print(f"note: cannot mount a tmpfs ({options}: {done.stderr.strip()}); {what}", file=sys.stderr)
             yield None
             return
         try:
@@ -353,3 +350,9 @@ def huge_tmpfs(size: int, what: str) -> Iterator[Path | None]:
     finally:
         with signals_ignored(), contextlib.suppress(OSError):
             point.rmdir()
+
+
+def huge_tmpfs(size: int, what: str) -> contextlib.AbstractContextManager[Path | None]:
+    """A private tmpfs of ``size`` bytes mounted huge=within_size, or None where this process
+    cannot mount one (``private_tmpfs``)."""
+    return private_tmpfs(f"size={size},huge=within_size,mode=0700", "bench-huge-", what)
