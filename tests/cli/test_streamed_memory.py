@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.procs import REPO, Child, region_path
+from tests.support.peak import run_with_peak
+from tests.support.procs import Child, region_path
 
 MIB = 1 << 20
 RSS_BOUND = 100 * MIB
@@ -30,41 +28,8 @@ FILES = 100_000
 def run_peak(tmp_path: Path, *args: str) -> tuple[int, str, str, int]:
     """``python -m shmctl ARGS``: exit status, stdout, stderr, and its ``VmHWM`` in bytes."""
     out, err = tmp_path / "stdout", tmp_path / "stderr"
-    with out.open("wb") as stdout, err.open("wb") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shmctl", *args],
-            cwd=REPO,
-            stdin=subprocess.DEVNULL,
-            stdout=stdout,
-            stderr=stderr,
-        )
-    peak = [0]
-    done = threading.Event()
-
-    def look() -> None:
-        status = Path(f"/proc/{proc.pid}/status")
-        while not done.is_set():
-            try:
-                text = status.read_text()
-            except OSError:
-                return
-            for line in text.splitlines():
-                if line.startswith("VmHWM:"):
-                    peak[0] = max(peak[0], int(line.split()[1]) * 1024)
-            time.sleep(0.01)
-
-    looker = threading.Thread(target=look, daemon=True)
-    looker.start()
-    try:
-        proc.wait(300)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        done.set()
-        looker.join(5)
-    return proc.returncode, out.read_text(encoding="utf-8"), err.read_text(encoding="utf-8"), peak[0]
+    code, peak = run_with_peak([sys.executable, "-m", "shmctl", *args], out, err)
+    return code, out.read_text(encoding="utf-8"), err.read_text(encoding="utf-8"), peak
 
 
 @pytest.mark.slow

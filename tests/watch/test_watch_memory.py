@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +32,8 @@ from kvoffload.liveness.report import ScanEntry, ScanSummary
 from kvoffload.liveness.scan import STREAM_CHUNK_FILES, ScanStream, Status, scan
 from shmctl.render.metrics import DEFAULT_TOP_ENGINES, DEFAULT_TOP_ROOTS, OTHER_ROOTS
 from shmctl.serve.state import WatchMetrics
-from tests.support.procs import REPO, Child, region_path, write_file
+from tests.support.peak import run_with_peak
+from tests.support.procs import Child, region_path, write_file
 
 MIB = 1 << 20
 #: The contract (issue 19): at 100,000 files and at 10,000 roots.
@@ -68,40 +66,13 @@ def watch(tmp_path: Path, *args: str) -> Run:
         *args,
     ]
     out, err = tmp_path / "events", tmp_path / "stderr"
-    with out.open("wb") as stdout, err.open("wb") as stderr:
-        proc = subprocess.Popen(command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
-    peak = [0]
-    done = threading.Event()
-
-    def look() -> None:
-        status = Path(f"/proc/{proc.pid}/status")
-        while not done.is_set():
-            try:
-                text = status.read_text()
-            except OSError:
-                return
-            for line in text.splitlines():
-                if line.startswith("VmHWM:"):
-                    peak[0] = max(peak[0], int(line.split()[1]) * 1024)
-            time.sleep(0.01)
-
-    looker = threading.Thread(target=look, daemon=True)
-    looker.start()
-    try:
-        proc.wait(300)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        done.set()
-        looker.join(5)
+    code, peak = run_with_peak(command, out, err)
     lines = out.read_text(encoding="utf-8").splitlines()
     return Run(
-        proc.returncode,
+        code,
         [json.loads(line) for line in lines],
         err.read_text(encoding="utf-8", errors="replace"),
-        peak[0],
+        peak,
     )
 
 
